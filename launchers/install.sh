@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Install megarl and its pinned stack into ./.venv. Used by launchers/quickstart.sh, launchers/test.sh and CI.
+#
+#   bash launchers/install.sh            # CPU set when no GPU is visible, GPU set otherwise
+#   MEGARL_DEVICE=gpu bash launchers/install.sh
+#
+# Idempotent: a stamp in .venv records a hash of this script, requirements/ and setup.py; when nothing changed the
+# script returns in well under a second. Only package registries are contacted.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="${MEGARL_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+
+if [ -z "${MEGARL_DEVICE:-}" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then MEGARL_DEVICE=gpu; else MEGARL_DEVICE=cpu; fi
+fi
+case "$MEGARL_DEVICE" in cpu|gpu) ;; *) echo "install.sh: MEGARL_DEVICE must be cpu or gpu, got '$MEGARL_DEVICE'" >&2; exit 2;; esac
+
+STAMP_FILE="$VENV/.megarl-install-stamp"
+STAMP="$MEGARL_DEVICE $(cat launchers/install.sh requirements/*.txt setup.py | sha256sum | cut -c1-16)"
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP_FILE" 2>/dev/null)" = "$STAMP" ]; then
+  echo "megarl: $VENV is up to date ($MEGARL_DEVICE)"
+  exit 0
+fi
+
+"$PYTHON" - <<'EOF'
+import sys
+if sys.version_info[:2] < (3, 11):
+    sys.exit(f"megarl needs Python >= 3.11 (found {sys.version.split()[0]}); set PYTHON=/path/to/python3.11")
+EOF
+
+echo "megarl: installing the $MEGARL_DEVICE stack into $VENV"
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+if [ "$MEGARL_DEVICE" = cpu ]; then
+  # torch 2.13.0 CPU wheel first, so nothing below can pull a CUDA build.
+  "${PIP[@]}" torch==2.13.0
+  "${PIP[@]}" -r requirements/cpu.txt
+  # SGLang's declared dependencies pin CUDA-only packages (torch==2.14.1 CUDA, flashinfer, sglang-kernel); on CPU we
+  # install it without them on top of the exact list above (requirements/cpu.txt), which is what its CPU engine needs.
+  "${PIP[@]}" --no-deps sglang==0.5.23
+else
+  "${PIP[@]}" -r requirements/gpu.txt
+fi
+# megatron-core 0.19.2 declares Requires-Python>=3.12 but ships a cp311 wheel that runs on 3.11; mbridge declares no
+# requirements. Both go in without dependency resolution; their real needs are in the requirement lists.
+"${PIP[@]}" --no-deps --ignore-requires-python megatron-core==0.19.2 mbridge==0.15.1
+"${PIP[@]}" --no-deps --no-build-isolation -e .
+
+echo "$STAMP" > "$STAMP_FILE"
+echo "megarl: installed ($("$VENV/bin/python" -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)'))"

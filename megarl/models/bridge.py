@@ -1,0 +1,293 @@
+"""HF <-> Megatron-Core: build the sharded GPTModel for an HF folder, load HF weights into it, export it back.
+
+What comes from mbridge (0.15.1): the HF config -> TransformerConfig mapping and every per-tensor rule — which HF
+tensors make one Megatron tensor (QKV fused per query group, gate/up fused for the gated MLP, per-expert names), the
+HF <-> Megatron layout conversion, vocabulary padding, and the TP split/merge rules.
+
+What is written here, and why:
+- Model construction. mbridge's get_model() hard-codes the TransformerEngine spec and `.cuda()`; on CPU megarl builds
+  GPTModel with megatron-core's local spec and the CPU flags from megarl.platform.
+- Names. mbridge's tables use TE-spec names; the local spec names two norms differently and keeps experts in a
+  SequentialMLP (`experts.local_experts.{i}.linear_fc1.weight` instead of `experts.linear_fc1.weight{i}`).
+  `canonical_name` translates local/TE names to mbridge's global names (global layer index, global expert index).
+- The distributed part. mbridge's load scatters from TP rank 0 and its export broadcasts every tensor to every
+  pipeline rank. Here every rank reads only its own slices from the safetensors files (no communication on load), and
+  export gathers only within the TP / expert-TP group and yields each HF tensor on exactly one owner rank, so the
+  whole model is never materialised on one rank (the reshard step streams from this generator).
+- mbridge's Qwen2/Qwen3 bridges rewrite the class-level name table for tied embeddings (a tied model built first
+  would make a later untied one export lm_head as embed_tokens); the tables are copied per instance.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from .. import platform
+from .hf import HFModelFolder, open_model_folder
+
+_LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+
+
+def is_expert_param(name: str) -> bool:
+    return ".mlp.experts." in name and ".shared_experts." not in name
+
+
+class ModelBridge:
+    """One HF model folder, bound to the current megatron parallel_state layout.
+
+        bridge = ModelBridge("path/to/hf_folder")          # after megarl.parallel.initialize(...)
+        chunks = bridge.build()                              # list[GPTModel], one per virtual pipeline stage
+        bridge.load_hf_weights(chunks)
+        for hf_name, tensor in bridge.export_hf_weights(chunks): ...   # each HF tensor on one owner rank
+    """
+
+    def __init__(self, hf: str | HFModelFolder, dtype: torch.dtype | None = None,
+                 make_vocab_size_divisible_by: int = 128, config_overrides: dict | None = None):
+        from mbridge import AutoBridge
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            raise RuntimeError("ModelBridge needs megatron parallel_state: call megarl.parallel.initialize() first")
+        self.hf = hf if isinstance(hf, HFModelFolder) else open_model_folder(hf)
+        self.dtype = dtype or (torch.bfloat16 if platform.on_gpu() else torch.float32)
+        hf_config = self.hf.config
+        # mbridge reads rope_theta as an attribute; transformers 5 keeps it in rope_parameters.
+        if not hasattr(hf_config, "rope_theta"):
+            hf_config.rope_theta = self.hf.rope_theta
+        self.mb = AutoBridge.from_config(hf_config, dtype=self.dtype)
+        self._isolate_name_tables()
+        self.mb.set_extra_args(**self._config_extras(config_overrides or {}))
+        self.config = self.mb.config
+
+        self.tp, self.tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        self.etp, self.etp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+        self.ep, self.ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+        self.vocab_size = hf_config.vocab_size
+        multiple = make_vocab_size_divisible_by * self.tp
+        self.padded_vocab_size = int(math.ceil(self.vocab_size / multiple) * multiple)
+        # mbridge pads/unpads embedding and output layer with these three attributes.
+        self.mb.make_vocab_size_divisible_by = multiple
+        self.mb.vocab_size, self.mb.padded_vocab_size = self.vocab_size, self.padded_vocab_size
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+
+    # ------------------------------------------------------------------------------------------------ config
+    def _config_extras(self, overrides: dict) -> dict:
+        c = self.hf.config
+        extras = dict(platform.transformer_config_overrides())
+        extras.update(hidden_dropout=0.0, attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0))
+        if self.hf.is_moe:
+            # Qwen3-MoE renormalises the top-k probabilities when norm_topk_prob is set: that is Megatron's softmax
+            # over the top-k logits (pre_softmax=False). Without it, probabilities come from a softmax over all
+            # experts (pre_softmax=True). mbridge always sets False.
+            extras.update(moe_router_pre_softmax=not getattr(c, "norm_topk_prob", True),
+                          moe_token_dispatcher_type="alltoall",
+                          moe_aux_loss_coeff=float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0))
+        extras.update(overrides)
+        return extras
+
+    def _isolate_name_tables(self) -> None:
+        cls = type(self.mb)
+        direct = dict(cls._DIRECT_MAPPING)
+        if getattr(self.hf.config, "tie_word_embeddings", False):
+            direct["output_layer.weight"] = "model.embed_tokens.weight"
+        else:
+            direct["output_layer.weight"] = "lm_head.weight"
+        self.mb._DIRECT_MAPPING = direct
+        for klass in cls.__mro__:  # undo the class-level rewrite mbridge's constructor made
+            if "_DIRECT_MAPPING" in vars(klass) and "output_layer.weight" in klass._DIRECT_MAPPING:
+                klass._DIRECT_MAPPING["output_layer.weight"] = "lm_head.weight"
+
+    # -------------------------------------------------------------------------------------------------- build
+    def layer_spec(self, vp_stage: int | None = None):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        if platform.on_gpu():
+            return get_gpt_decoder_block_spec(self.config, use_transformer_engine=True, vp_stage=vp_stage)
+        return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, normalization="RMSNorm",
+                                          vp_stage=vp_stage)
+
+    def build(self) -> list:
+        """The GPTModel chunks this rank holds (one per virtual pipeline stage), randomly initialised."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.enums import ModelType
+        from megatron.core.models.gpt import GPTModel
+
+        vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+        chunks = []
+        for stage in range(vpp):
+            vp_stage = stage if vpp > 1 else None
+            model = GPTModel(
+                config=self.config,
+                transformer_layer_spec=self.layer_spec(vp_stage),
+                vocab_size=self.padded_vocab_size,
+                max_sequence_length=self.hf.config.max_position_embeddings,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                parallel_output=True,
+                share_embeddings_and_output_weights=self.tied,
+                position_embedding_type="rope",
+                rotary_base=self.hf.rope_theta,
+                vp_stage=vp_stage,
+            )
+            model.model_type = ModelType.encoder_or_decoder
+            if not platform.on_gpu():
+                model.to(self.dtype)
+            else:
+                model.cuda(torch.cuda.current_device())
+            chunks.append(model)
+        return chunks
+
+    # ---------------------------------------------------------------------------------------------- names
+    def canonical_name(self, model, local_name: str) -> str:
+        """Local parameter name -> mbridge's global Megatron name (global layer, global expert, TE norm names)."""
+        name = local_name
+        match = _LAYER.match(name)
+        if match:
+            layer = _unwrap(model).decoder.layers[int(match.group(2))]
+            name = f"{match.group(1)}{layer.layer_number - 1}{match.group(3)}"
+        experts_per_rank = (self.config.num_moe_experts or 0) // self.ep
+        match = _LOCAL_EXPERT.search(name)
+        if match:
+            expert = self.ep_rank * experts_per_rank + int(match.group(1))
+            name = name[: match.start()] + f".mlp.experts.{match.group(2)}.weight{expert}"
+        else:
+            match = _GROUPED_EXPERT.search(name)
+            if match:
+                expert = self.ep_rank * experts_per_rank + int(match.group(2))
+                name = name[: match.start()] + f".mlp.experts.{match.group(1)}.weight{expert}"
+        # Local-spec norm names -> the TE names mbridge maps (TE fuses these norms into the next linear layer).
+        name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+        if "pre_mlp_layernorm" not in self.mb._MLP_MAPPING:
+            name = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
+        return name
+
+    def hf_names(self, canonical: str) -> list[str]:
+        return self.mb._weight_name_mapping_mcore_to_hf(canonical)
+
+    def _tensors(self, model, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(local name, tensor) for every weight of a chunk, including router expert-bias buffers."""
+        seen = set()
+        for name, param in _unwrap(model).named_parameters():
+            seen.add(name)
+            if grads:
+                grad = getattr(param, "main_grad", None)
+                grad = param.grad if grad is None else grad
+                yield name, param, (torch.zeros_like(param) if grad is None else grad)
+            else:
+                yield name, param, param
+        if not grads:
+            for name, value in _unwrap(model).state_dict().items():
+                if name not in seen and "expert_bias" in name and torch.is_tensor(value):
+                    yield name, value, value
+
+    # ----------------------------------------------------------------------------------------------- load
+    @torch.no_grad()
+    def load_hf_weights(self, chunks: list) -> None:
+        """Copy the HF weights into this rank's shards. Each rank reads only the tensors it holds."""
+        for model in chunks:
+            for local_name, param, _ in self._tensors(model):
+                canonical = self.canonical_name(model, local_name)
+                full = self.mb._weight_to_mcore_format(canonical, self.hf.read(self.hf_names(canonical)))
+                expert = is_expert_param(canonical)
+                size, rank = (self.etp, self.etp_rank) if expert else (self.tp, self.tp_rank)
+                shard = self.mb._weight_split_across_tp(canonical, full, param, size)[rank]
+                if shard.shape != param.shape:
+                    raise ValueError(f"{local_name}: HF tensor(s) {self.hf_names(canonical)} give shape "
+                                     f"{tuple(shard.shape)} for this rank, the model expects {tuple(param.shape)}")
+                param.copy_(shard)
+
+    # --------------------------------------------------------------------------------------------- export
+    @torch.no_grad()
+    def export_hf_weights(self, chunks: list, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, full tensor) for the HF tensors this rank owns; every rank must iterate to the end.
+
+        TP shards are all-gathered in the TP group (expert shards in the expert-TP group); the tensor is then owned
+        by TP rank 0 of data-parallel replica 0. Pipeline stages and expert-parallel ranks export their own layers and
+        experts, so each HF tensor is yielded on exactly one rank. grads=True exports gradients (main_grad under
+        Megatron DDP) under the same names.
+        """
+        from megatron.core import parallel_state as ps
+
+        dense_replica0 = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        expert_replica0 = ps.get_expert_data_parallel_rank() == 0
+        for model in chunks:
+            for local_name, param, value in self._tensors(model, grads):
+                canonical = self.canonical_name(model, local_name)
+                if self.tied and canonical == "output_layer.weight" and ps.get_pipeline_model_parallel_world_size() > 1:
+                    continue  # the first stage's embedding is the one HF tensor
+                expert = is_expert_param(canonical)
+                if not (expert_replica0 if expert else dense_replica0):
+                    continue
+                size, rank = (self.etp, self.etp_rank) if expert else (self.tp, self.tp_rank)
+                group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+                if size > 1 and getattr(param, "tensor_model_parallel", False):
+                    parts = [torch.empty_like(value) for _ in range(size)]
+                    dist.all_gather(parts, value.contiguous(), group=group)
+                    full = self.mb._weight_merge_across_tp(canonical, parts, param)
+                elif size > 1 and getattr(param, "sequence_parallel", False) and grads:
+                    # Sequence-parallel norm grads are partial sums over each rank's sequence shard.
+                    full = value.clone()
+                    dist.all_reduce(full, group=group)
+                else:
+                    full = value
+                if rank != 0:
+                    continue
+                names, tensors = self.mb._weight_to_hf_format(canonical, full)
+                for hf_name, tensor in zip(names, tensors):
+                    yield hf_name, tensor.detach().clone()
+
+    # ----------------------------------------------------------------------------------------------- save
+    def save_hf(self, chunks: list, out_dir: str) -> None:
+        """Write an HF folder (config, tokenizer files, sharded safetensors + index) atomically.
+
+        Each owner rank writes its own shard into a temporary folder next to out_dir; rank 0 writes the index and
+        renames the folder into place last, so a crash never leaves a half-written model at out_dir.
+        """
+        from safetensors.torch import save_file
+
+        rank = dist.get_rank()
+        parent = os.path.dirname(os.path.abspath(out_dir)) or "."
+        os.makedirs(parent, exist_ok=True)
+        tmp = [tempfile.mkdtemp(prefix=".megarl-export-", dir=parent) if rank == 0 else None]
+        dist.broadcast_object_list(tmp, src=0)
+        tmp_dir = tmp[0]
+        tensors = {name: t.to(self.dtype).contiguous() for name, t in self.export_hf_weights(chunks)}
+        shard = f"model-rank{rank:05d}.safetensors"
+        if tensors:
+            save_file(tensors, os.path.join(tmp_dir, shard), metadata={"format": "pt"})
+        listing = [None] * dist.get_world_size()
+        dist.all_gather_object(listing, (shard, sorted(tensors)))
+        if rank == 0:
+            weight_map = {n: file for file, names in listing for n in names}
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            with open(os.path.join(tmp_dir, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size_rank0": total}, "weight_map": dict(sorted(weight_map.items()))},
+                          f, indent=1)
+            for name in os.listdir(self.hf.path):  # config, generation config, tokenizer files
+                if not name.endswith(".safetensors") and name != "model.safetensors.index.json":
+                    src = os.path.join(self.hf.path, name)
+                    if os.path.isfile(src):
+                        shutil.copy2(src, os.path.join(tmp_dir, name))
+            for name in os.listdir(tmp_dir):
+                with open(os.path.join(tmp_dir, name), "rb") as f:
+                    os.fsync(f.fileno())
+            if os.path.exists(out_dir):
+                shutil.rmtree(out_dir)
+            os.rename(tmp_dir, out_dir)
+        dist.barrier()
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model

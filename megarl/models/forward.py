@@ -1,0 +1,48 @@
+"""Running the sharded model: inputs for a causal forward, and full-vocabulary logits through Megatron's schedule."""
+from __future__ import annotations
+
+import torch
+
+
+def causal_inputs(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, position_ids, attention_mask) for GPTModel; the mask is True where attention is blocked."""
+    batch, seq = input_ids.shape
+    position_ids = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq).contiguous()
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=input_ids.device), diagonal=1)
+    return input_ids, position_ids, mask
+
+
+@torch.no_grad()
+def forward_logits(chunks: list, micro_batches: list[torch.Tensor], vocab_size: int | None = None):
+    """Full-vocabulary logits [b, s, vocab] per micro-batch on the last pipeline stage (None on other stages).
+
+    Runs Megatron's forward-only pipeline schedule (PP/VPP), gathers the vocab-parallel logits over the TP group and
+    drops the padded vocabulary rows when vocab_size is given. Meant for checks and probes: training never gathers
+    the vocabulary.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    def forward_step(data_iterator, model):
+        output = model(*causal_inputs(next(data_iterator)))
+
+        def keep_logits(logits):
+            full = gather_from_tensor_model_parallel_region(logits)
+            if vocab_size is not None:
+                full = full[..., :vocab_size]
+            return torch.zeros((), device=logits.device), {"logits": full}
+
+        return output, keep_logits
+
+    seq_length = micro_batches[0].shape[1]
+    iterators = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
+    for chunk in chunks:
+        chunk.eval()
+    results = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iterators, model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=micro_batches[0].shape[0],
+        forward_only=True)
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return [r["logits"] for r in results]

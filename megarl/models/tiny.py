@@ -1,0 +1,70 @@
+"""Tiny random Hugging Face models of each supported family, written locally (config + tokenizer + safetensors).
+
+Used by the tests and the smoke run; nothing is downloaded. Every tensor is random (norm weights too), so a
+round-trip or a layout bug cannot hide behind a tensor of ones.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+_BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, hidden_act="silu",
+             attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+_FAMILY = {
+    "llama": dict(tie_word_embeddings=False),
+    "qwen2": dict(tie_word_embeddings=False, use_sliding_window=False),  # Qwen2 has q/k/v biases
+    "qwen3": dict(tie_word_embeddings=True, head_dim=32),  # qk-norm; head_dim != hidden/heads; tied lm_head
+    "qwen3_moe": dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, router_aux_loss_coef=0.0),
+}
+_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_CORPUS = ["The quick brown fox jumps over the lazy dog. 0 1 2 3 4 5 6 7 8 9 + - * / = ?",
+           "What is 12 plus 30? The answer is 42.", "Question: 7 times 6. Answer: 42."]
+
+
+def write_tokenizer(out_dir: str, vocab_size: int = 384):
+    """A byte-level BPE tokenizer trained on a few sentences, with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def write_tiny_model(out_dir: str, family: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+                     **overrides) -> str:
+    """Write a tiny random `family` model to out_dir and return out_dir."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if family not in _FAMILY:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {FAMILIES}")
+    os.makedirs(out_dir, exist_ok=True)
+    fields = dict(_BASE, **_FAMILY[family], **overrides)
+    config = AutoConfig.for_model(family, **fields)
+    config.torch_dtype = dtype
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=generator))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=generator))
+    model.to(dtype).save_pretrained(out_dir)
+    write_tokenizer(out_dir, vocab_size=min(fields["vocab_size"], 384))
+    return out_dir

@@ -1,0 +1,79 @@
+"""Who am I in the job: rank, world size and rendezvous address from torchrun or Slurm environment variables."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Mapping
+
+
+class LaunchEnvError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class DistributedEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun", "slurm" or "single"
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "DistributedEnv":
+        """torchrun's variables win (a torchrun inside an srun task is the multi-node Slurm recipe); then Slurm's
+        (one srun task per rank); else a single process on localhost."""
+        env = os.environ if environ is None else environ
+        if "RANK" in env and "WORLD_SIZE" in env:
+            return cls(rank=_int(env, "RANK"), world_size=_int(env, "WORLD_SIZE"),
+                       local_rank=_int(env, "LOCAL_RANK", 0), master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                       master_port=_int(env, "MASTER_PORT", 29500), launcher="torchrun")
+        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+            if not nodelist:
+                raise LaunchEnvError("SLURM_PROCID is set but SLURM_JOB_NODELIST is not: cannot find the master host. "
+                                     "Fix: launch with srun inside an sbatch/salloc allocation, or set MASTER_ADDR.")
+            job_id = _int(env, "SLURM_JOB_ID", 0)
+            return cls(rank=_int(env, "SLURM_PROCID"), world_size=_int(env, "SLURM_NTASKS"),
+                       local_rank=_int(env, "SLURM_LOCALID", 0),
+                       master_addr=env.get("MASTER_ADDR") or first_slurm_host(nodelist),
+                       # Same port on every task without talking to each other: derived from the job id.
+                       master_port=_int(env, "MASTER_PORT", 20000 + job_id % 20000), launcher="slurm")
+        return cls(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
+                   master_port=int(env.get("MASTER_PORT") or free_port()), launcher="single")
+
+    def export(self) -> None:
+        """Set the variables torch.distributed's env:// rendezvous reads."""
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
+                          MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port))
+
+
+def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
+    value = env.get(key)
+    if value is None or value == "":
+        if default is None:
+            raise LaunchEnvError(f"environment variable {key} is not set")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise LaunchEnvError(f"environment variable {key}={value!r} is not an integer") from None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm hostlist expression: 'gpu[003-005,9],cpu1' -> 'gpu003' (zero padding kept)."""
+    match = re.match(r"\s*([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not match or not match.group(1):
+        raise LaunchEnvError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
+    prefix, ranges = match.group(1), match.group(2)
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

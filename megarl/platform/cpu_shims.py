@@ -1,0 +1,313 @@
+"""Monkeypatches that let megatron-core 0.19.2 run on a CPU-only torch build with gloo.
+
+megatron-core is written for CUDA: it asks torch.cuda for the current device, RNG state and streams, and creates a few
+scratch tensors with a hard-coded device="cuda". On a CPU torch build each of those raises. Every shim below names the
+megatron-core file and line it works around (0.19.2) and is covered by a test in tests/test_platform_shims.py that
+fails when the shim is reverted. They are applied by `megarl.platform.setup()` only when CUDA is absent.
+
+Each shim records what it replaced, so a test can revert one shim (in a forked rank) and watch megatron-core fail.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import queue
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+_MISSING = object()
+
+
+class _Patches:
+    """Records (owner, attribute, previous value) so a shim can be reverted exactly."""
+
+    def __init__(self) -> None:
+        self.undo: list[tuple[object, str, object]] = []
+
+    def set(self, owner: object, attr: str, value: object) -> None:
+        self.undo.append((owner, attr, vars(owner).get(attr, _MISSING)))
+        setattr(owner, attr, value)
+
+    def revert(self) -> None:
+        for owner, attr, old in reversed(self.undo):
+            if old is _MISSING:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, old)
+        self.undo.clear()
+
+
+@dataclass
+class Shim:
+    name: str
+    works_around: str  # megatron-core 0.19.2 file:line and what fails there
+    install: Callable[[_Patches], None]
+
+
+# ------------------------------------------------------------------------------------------------ torch.cuda queries
+def _current_device(p: _Patches) -> None:
+    p.set(torch.cuda, "current_device", lambda: "cpu")
+
+
+def _rng(p: _Patches) -> None:
+    import megatron.core.tensor_parallel.random as mrandom
+
+    p.set(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+    p.set(torch.cuda, "set_rng_state", lambda new_state, device="cuda": torch.set_rng_state(new_state))
+    p.set(torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed))
+    p.set(mrandom, "_get_cuda_rng_state", lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
+    p.set(mrandom, "_set_cuda_rng_state", lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
+
+
+def _synchronize(p: _Patches) -> None:
+    p.set(torch.cuda, "synchronize", lambda device=None: None)
+
+
+class _CpuStream(torch.cpu.Stream):
+    def __init__(self, device=None, priority=0, **kwargs):
+        super().__init__()
+
+    def record_event(self, event=None):
+        return torch.cpu.Event()
+
+    def wait_stream(self, stream):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+_DEFAULT_STREAM = _CpuStream()
+
+
+def _streams(p: _Patches) -> None:
+    p.set(torch.cuda, "Stream", _CpuStream)
+    p.set(torch.cuda, "Event", torch.cpu.Event)
+    p.set(torch.cuda, "current_stream", lambda device=None: _DEFAULT_STREAM)
+    p.set(torch.cuda, "default_stream", lambda device=None: _DEFAULT_STREAM)
+    p.set(torch.cuda, "stream", torch.cpu.stream)
+
+
+# ---------------------------------------------------------------------------------------- hard-coded device="cuda"
+_FACTORIES = frozenset({"zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like",
+                        "empty_like", "full_like", "randn", "rand", "randint", "as_tensor"})
+
+
+class _TorchOnCpu:
+    """Stands in for the `torch` global of one megatron-core module: tensor factories asked for device="cuda" build on
+    the CPU; every other attribute is the real torch."""
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name not in _FACTORIES:
+            return attr
+
+        @functools.wraps(attr)
+        def factory(*args, **kwargs):
+            device = kwargs.get("device")
+            if (isinstance(device, str) and device.startswith("cuda")) or (
+                    isinstance(device, torch.device) and device.type == "cuda"):
+                kwargs["device"] = "cpu"
+            return attr(*args, **kwargs)
+
+        return factory
+
+
+HARDCODED_CUDA_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",  # :749/:1121/:2292 total_num_tokens
+    "megatron.core.optimizer.optimizer",  # :690/:698/:702/:1249 found_inf, _scale
+    "megatron.core.optimizer.clip_grads",  # :96/:108/:231 total_norm_cuda
+    "megatron.core.distributed.param_and_grad_buffer",  # :1145
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.utils",  # :1332 local_multi_tensor_l2_norm (grad norm without apex/TE)
+)
+
+
+def _hardcoded_cuda(p: _Patches) -> None:
+    for module in HARDCODED_CUDA_MODULES:
+        p.set(importlib.import_module(module), "torch", _TorchOnCpu())
+
+
+# ----------------------------------------------------------------------------------------------------- type() names
+_TENSOR_TYPE = torch.Tensor.type
+_type_depth = [0]
+
+
+def _type_with_cuda_names(self, dtype=None, non_blocking=False, **kwargs):
+    if dtype is None and not kwargs and self.device.type == "cpu":
+        return _TENSOR_TYPE(self).replace("torch.", "torch.cuda.", 1)
+    return _TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    _type_depth[0] += 1
+    torch.Tensor.type = _type_with_cuda_names
+    try:
+        yield
+    finally:
+        _type_depth[0] -= 1
+        if _type_depth[0] == 0:
+            torch.Tensor.type = _TENSOR_TYPE
+
+
+def _with_cuda_type_names(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with _cuda_type_names():
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def _cuda_type_names_in_optimizers(p: _Patches) -> None:
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    dist_opt = distrib_optimizer.DistributedOptimizer
+    for owner, name in ((dist_opt, "_build_model_and_main_param_groups"), (dist_opt, "__init__"),
+                        (optimizer.Float16OptimizerWithFloat16Params, "__init__")):
+        raw = vars(owner)[name]
+        if isinstance(raw, classmethod):
+            p.set(owner, name, classmethod(_with_cuda_type_names(raw.__func__)))
+        else:
+            p.set(owner, name, _with_cuda_type_names(raw))
+    clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    p.set(clip_grads, "clip_grad_by_total_norm_fp32", clip)
+    p.set(optimizer, "clip_grad_by_total_norm_fp32", clip)
+
+
+# ----------------------------------------------------------------------------------------------------------- MoE
+def _moe_split_sizes(p: _Patches) -> None:
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy() if as_numpy else tensor
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    p.set(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+    p.set(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+
+
+def _sequence_parallel_torch_norm(p: _Patches) -> None:
+    from megatron.core.transformer import torch_norm
+
+    def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+                normalization="LayerNorm"):
+        if config.layernorm_zero_centered_gamma:
+            raise ValueError("layernorm_zero_centered_gamma needs TransformerEngine or apex (GPU)")
+        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization]
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            # finalize_model_grads all-reduces grads of params tagged sequence_parallel over TP (as apex does).
+            setattr(param, "sequence_parallel", config.sequence_parallel)
+        return norm
+
+    p.set(torch_norm.WrappedTorchNorm, "__new__", __new__)
+
+
+def _uneven_collectives(p: _Patches) -> None:
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(x) for x in output_split_sizes]
+        padded = input_.new_zeros([max(sizes)] + list(input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)], dim=0)
+
+    def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        full = input_.contiguous().clone()
+        dist.all_reduce(full, group=group)
+        return torch.split(full, [int(x) for x in input_split_sizes], dim=0)[group.rank()].contiguous()
+
+    p.set(mappings, "_gather_along_first_dim", _gather_along_first_dim)
+    p.set(mappings, "_reduce_scatter_along_first_dim", _reduce_scatter_along_first_dim)
+
+
+# ----------------------------------------------------------------------------------------------- checkpointing
+def _checkpoint_results_queue(p: _Patches) -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        p.set(filesystem_async, "_results_queue", queue.Queue())
+
+
+SHIMS: dict[str, Shim] = {s.name: s for s in [
+    Shim("current_device",
+         "utils.py:715/1595, tensor_parallel/mappings.py, p2p_communication.py:215, rotary_pos_embedding.py: "
+         "torch.cuda.current_device() places scratch buffers -> AssertionError 'Torch not compiled with CUDA "
+         "enabled'. Returns 'cpu'.", _current_device),
+    Shim("rng",
+         "tensor_parallel/random.py:104/135/303 (model_parallel_cuda_manual_seed, CudaRNGStatesTracker.fork) use "
+         "torch.cuda RNG state. The 'device' RNG becomes the CPU RNG.", _rng),
+    Shim("synchronize",
+         "pipeline_parallel/p2p_communication.py:263: _communicate_shapes (variable_seq_lengths=True) calls "
+         "torch.cuda.synchronize(). A no-op on CPU.", _synchronize),
+    Shim("streams",
+         "transformer/moe/token_dispatcher.py:469/922: MoEAlltoAllTokenDispatcher creates torch.cuda.Stream() and "
+         "uses current_stream(). Mapped onto torch.cpu's no-op Stream/Event.", _streams),
+    Shim("hardcoded_cuda",
+         "pipeline_parallel/schedules.py:749/1121/2292 total_num_tokens=torch.zeros(..., device='cuda'), and the "
+         "optimizer/clip-grad/grad-buffer modules listed in HARDCODED_CUDA_MODULES. Factories send 'cuda' to CPU.",
+         _hardcoded_cuda),
+    Shim("cuda_type_names",
+         "optimizer/distrib_optimizer.py:466, optimizer/optimizer.py:1028, optimizer/clip_grads.py:174: params must "
+         "report type() 'torch.cuda.FloatTensor' (TypeError 'Wrapped parameters must be one of ...'). Inside just "
+         "those functions CPU tensors report the cuda type name.", _cuda_type_names_in_optimizers),
+    Shim("moe_split_sizes",
+         "transformer/moe/moe_utils.py:1184 maybe_move_tensor_to_cpu turns split sizes into numpy only when "
+         "tensor.is_cuda; gloo's all_to_all_single then rejects tensor splits (TypeError, mappings.py:460).",
+         _moe_split_sizes),
+    Shim("sequence_parallel_torch_norm",
+         "transformer/torch_norm.py:50 asserts `not config.sequence_parallel` for the local-spec norm, but MoE with "
+         "TP>1 requires sequence parallelism (moe_layer.py). Allows it and tags the params sequence_parallel.",
+         _sequence_parallel_torch_norm),
+    Shim("uneven_collectives",
+         "tensor_parallel/mappings.py:118/159: the alltoall dispatcher with expert-TP>1 gathers/reduce-scatters "
+         "uneven splits; gloo needs equal sizes ('ProcessGroupGloo::allgather: invalid tensor size'). Pads.",
+         _uneven_collectives),
+    Shim("checkpoint_results_queue",
+         "dist_checkpointing/strategies/filesystem_async.py:53-65 get_write_results_queue() starts a spawn-context "
+         "multiprocessing.Manager per rank for a synchronous save (a fresh interpreter that re-imports __main__). "
+         "A synchronous save never hands the queue to another process: a queue.Queue is enough.",
+         _checkpoint_results_queue),
+]}
+
+_applied: dict[str, _Patches] = {}
+
+
+def apply(names=None) -> list[str]:
+    """Install the named shims (default: all). Idempotent."""
+    for name in names or SHIMS:
+        if name not in _applied:
+            patches = _Patches()
+            SHIMS[name].install(patches)
+            _applied[name] = patches
+    return sorted(_applied)
+
+
+def revert(name: str) -> None:
+    """Undo one shim (tests use this in a forked rank to show the shim is needed)."""
+    _applied.pop(name).revert()
+
+
+def applied() -> list[str]:
+    return sorted(_applied)

@@ -1,0 +1,35 @@
+"""megarl: RL post-training for LLMs on Megatron-Core, with SGLang rollouts.
+
+Install with `bash launchers/install.sh` (it installs the pinned stack into .venv; see README). The pins below are
+the versions that are tested; the CPU and GPU sets are extras because their torch builds differ.
+"""
+from setuptools import find_packages, setup
+
+MEGATRON_CORE = "megatron-core==0.19.2"  # also checked at run time: megarl/platform/version.py
+SGLANG = "sglang==0.5.23"
+MBRIDGE = "mbridge==0.15.1"
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="Megatron-Core RL post-training (GRPO/PPO family) with an SGLang rollout engine",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megarl", "megarl.*"]),
+    package_data={"megarl.platform": ["stubs/*/*.py", "stubs/*/*/*.py", "stubs/*/*/*/*.py"]},
+    install_requires=[
+        "transformers==5.19.0",
+        "tokenizers==0.23.2",
+        "safetensors==0.8.0",
+        "numpy==2.4.6",
+        "pyyaml==6.0.4",
+        "psutil==7.2.2",
+        "packaging==26.4",
+    ],
+    extras_require={
+        # megatron-core, mbridge and (on CPU) SGLang are installed with --no-deps by launchers/install.sh,
+        # because their declared dependencies pin CUDA-only packages; they are listed here for the record.
+        "cpu": ["torch==2.13.0", MEGATRON_CORE, MBRIDGE, SGLANG, "triton==3.9.0", "pytest==9.2.0"],
+        "gpu": ["torch==2.14.1", MEGATRON_CORE, MBRIDGE, SGLANG, "transformer-engine[pytorch]==2.9.0"],
+    },
+    entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
+)
