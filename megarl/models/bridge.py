@@ -214,7 +214,7 @@ class ModelBridge:
         TP shards are all-gathered in the TP group (expert shards in the expert-TP group); the tensor is then owned
         by TP rank 0 of data-parallel replica 0. Pipeline stages and expert-parallel ranks export their own layers and
         experts, so each HF tensor is yielded on exactly one rank. grads=True exports gradients (main_grad under
-        Megatron DDP) under the same names.
+        Megatron DDP, after finalize_model_grads has reduced them) under the same names.
         """
         from megatron.core import parallel_state as ps
 
@@ -234,10 +234,6 @@ class ModelBridge:
                     parts = [torch.empty_like(value) for _ in range(size)]
                     dist.all_gather(parts, value.contiguous(), group=group)
                     full = self.mb._weight_merge_across_tp(canonical, parts, param)
-                elif size > 1 and getattr(param, "sequence_parallel", False) and grads:
-                    # Sequence-parallel norm grads are partial sums over each rank's sequence shard.
-                    full = value.clone()
-                    dist.all_reduce(full, group=group)
                 else:
                     full = value
                 if rank != 0:

@@ -242,6 +242,10 @@ def _uneven_collectives(p: _Patches) -> None:
     p.set(mappings, "_reduce_scatter_along_first_dim", _reduce_scatter_along_first_dim)
 
 
+def _tensor_cuda(p: _Patches) -> None:
+    p.set(torch.Tensor, "cuda", lambda self, device=None, non_blocking=False, **kwargs: self)
+
+
 # ----------------------------------------------------------------------------------------------- checkpointing
 def _checkpoint_results_queue(p: _Patches) -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -268,6 +272,10 @@ SHIMS: dict[str, Shim] = {s.name: s for s in [
          "pipeline_parallel/schedules.py:749/1121/2292 total_num_tokens=torch.zeros(..., device='cuda'), and the "
          "optimizer/clip-grad/grad-buffer modules listed in HARDCODED_CUDA_MODULES. Factories send 'cuda' to CPU.",
          _hardcoded_cuda),
+    Shim("tensor_cuda",
+         "models/common/language_module/language_module.py:307: with tied embeddings and PP>1 the last stage's "
+         "output weight is moved with `.cuda()` before the embedding all-reduce (also distrib_optimizer.py:1374). "
+         "Identity on CPU.", _tensor_cuda),
     Shim("cuda_type_names",
          "optimizer/distrib_optimizer.py:466, optimizer/optimizer.py:1028, optimizer/clip_grads.py:174: params must "
          "report type() 'torch.cuda.FloatTensor' (TypeError 'Wrapped parameters must be one of ...'). Inside just "

@@ -1,0 +1,89 @@
+"""Rank functions shared by the multi-rank tests (each runs inside megarl.testing.run_ranks)."""
+from __future__ import annotations
+
+import torch
+
+from megarl import parallel
+from megarl.models import ModelBridge, forward_logits, open_model_folder
+
+SEQ = 16
+
+
+def input_batches(n: int = 2, batch: int = 2, seq: int = SEQ, vocab: int = 384, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(n)]
+
+
+def build(path: str, tp=1, pp=1, vpp=None, ep=1, etp=None, load=True, **config_overrides):
+    folder = open_model_folder(path)
+    ps = parallel.initialize(parallel.ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp), folder.shape())
+    bridge = ModelBridge(folder, config_overrides=config_overrides)
+    chunks = bridge.build()
+    if load:
+        bridge.load_hf_weights(chunks)
+    return ps, bridge, chunks
+
+
+def logits_and_export(path: str, layout: dict) -> dict:
+    """Full logits (last stage only) and the HF tensors this rank owns after loading the HF folder."""
+    ps, bridge, chunks = build(path, **layout)
+    logits = forward_logits(chunks, input_batches(), vocab_size=bridge.vocab_size)
+    return {"logits": logits, "weights": dict(bridge.export_hf_weights(chunks))}
+
+
+def wrap_ddp(chunks):
+    """Megatron DDP around each chunk, with the config hooks the schedules call (grad sync, finalize)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False)
+    wrapped = [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c,
+                                       disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+    config = chunks[0].config
+    config.no_sync_func = [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def masked_vocab_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Mean token cross-entropy over vocab-parallel logits, ignoring the padded vocabulary columns."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    per_rank = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * per_rank
+    padded = torch.arange(start, start + per_rank) >= vocab_size
+    logits = logits.masked_fill(padded, -1e4)
+    # megatron's vocab_parallel_cross_entropy takes [s, b, v] / [s, b]
+    loss = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), labels.transpose(0, 1).contiguous())
+    return loss.mean()
+
+
+def train_grads(path: str, layout: dict, micro_batches: int = 4) -> dict:
+    """HF-named gradients of the mean next-token loss over `micro_batches` micro-batches of one sequence."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megarl.models import causal_inputs
+
+    ps, bridge, chunks = build(path, **layout)
+    model = wrap_ddp(chunks)
+    batches = input_batches(n=micro_batches, batch=1)
+
+    def forward_step(data_iterator, m):
+        ids = next(data_iterator)
+        output = m(*causal_inputs(ids))
+        labels = torch.roll(ids, -1, dims=1)
+
+        def loss_func(logits):
+            loss = masked_vocab_cross_entropy(logits, labels, bridge.vocab_size)
+            return loss, {"loss": loss.detach().clone()}
+
+        return output, loss_func
+
+    for m in model:
+        m.zero_grad_buffer()
+    iterators = [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iterators, model=model if len(model) > 1 else model[0],
+        num_microbatches=micro_batches, seq_length=SEQ, micro_batch_size=1, forward_only=False)
+    grads = dict(bridge.export_hf_weights(chunks, grads=True))
+    return {"grads": grads, "losses": [x["loss"] for x in losses] if losses else None}

@@ -1,0 +1,96 @@
+"""Megatron (every supported family, several TP/PP/VPP/EP layouts) against Hugging Face transformers and TP1/PP1."""
+import functools
+
+import pytest
+import torch
+
+import ranks
+from megarl.testing import run_ranks, tiny_model_dir
+
+DENSE = ["llama", "qwen2", "qwen3"]
+# (name, layout, world size)
+DENSE_LAYOUTS = [("tp1", {}, 1), ("tp2", {"tp": 2}, 2), ("pp2", {"pp": 2}, 2), ("tp2pp2", {"tp": 2, "pp": 2}, 4)]
+MOE_LAYOUTS = DENSE_LAYOUTS[:2] + [("ep2", {"ep": 2}, 2), ("tp2ep2", {"tp": 2, "ep": 2}, 4),
+                                   ("tp2ep2etp1", {"tp": 2, "ep": 2, "etp": 1}, 4),
+                                   ("pp2ep2", {"pp": 2, "ep": 2}, 4)]
+CASES = [(f, *layout) for f in DENSE for layout in DENSE_LAYOUTS] + [("qwen3_moe", *l) for l in MOE_LAYOUTS]
+
+
+def _id(case):
+    return f"{case[0]}-{case[1]}"
+
+
+@functools.cache
+def _hf_reference(family):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dir(family)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = [model(batch).logits for batch in ranks.input_batches()]
+    return logits, load_file(f"{path}/model.safetensors")
+
+
+@functools.cache
+def _megatron(family, name):
+    layout, world = next((lay, w) for f, n, lay, w in CASES if f == family and n == name)
+    return run_ranks(world, ranks.logits_and_export, tiny_model_dir(family), layout)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_logits_match_transformers(case):
+    family, name, layout, world = case
+    ref_logits, _ = _hf_reference(family)
+    per_rank = [r["logits"] for r in _megatron(family, name)]
+    last_stage = [logits for logits in per_rank if logits is not None]
+    assert len(last_stage) == world // layout.get("pp", 1)  # every rank of the last stage has full logits
+    for logits in last_stage:
+        assert len(logits) == len(ref_logits)
+        for ours, ref in zip(logits, ref_logits):
+            assert ours.shape == ref.shape
+            assert (ours - ref).abs().max().item() < 1e-4
+    assert ref_logits[0].abs().max() > 1.0  # the comparison is not between near-zero numbers
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[3] > 1], ids=_id)
+def test_hf_roundtrip_is_bit_exact(case):
+    family, name, _, _ = case
+    _, hf_weights = _hf_reference(family)
+    exported = {}
+    for r in _megatron(family, name):
+        duplicated = set(exported) & set(r["weights"])
+        assert not duplicated, f"HF tensors exported by two ranks: {sorted(duplicated)[:3]}"
+        exported.update(r["weights"])
+    assert sorted(exported) == sorted(hf_weights)
+    for key, tensor in hf_weights.items():
+        assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
+
+
+GRAD_CASES = [(f, n, lay, w) for f in ("qwen2", "qwen3") for n, lay, w in
+              [("tp2", {"tp": 2}, 2), ("pp2", {"pp": 2}, 2), ("pp2vpp2", {"pp": 2, "vpp": 2}, 2),
+               ("tp2pp2", {"tp": 2, "pp": 2}, 4), ("tp2pp2vpp2", {"tp": 2, "pp": 2, "vpp": 2}, 4)]]
+GRAD_CASES += [("qwen3_moe", "ep2", {"ep": 2}, 2), ("qwen3_moe", "tp2ep2", {"tp": 2, "ep": 2}, 4),
+               ("qwen3_moe", "pp2ep2", {"pp": 2, "ep": 2}, 4)]
+
+
+@functools.cache
+def _reference_grads(family):
+    (result,) = run_ranks(1, ranks.train_grads, tiny_model_dir(family), {})
+    return result
+
+
+@pytest.mark.parametrize("case", GRAD_CASES, ids=_id)
+def test_grads_match_single_rank(case):
+    family, _, layout, world = case
+    reference = _reference_grads(family)
+    ref = reference["grads"]
+    grads, losses = {}, None
+    for r in run_ranks(world, ranks.train_grads, tiny_model_dir(family), layout):
+        grads.update(r["grads"])
+        losses = r["losses"] or losses
+    assert sorted(grads) == sorted(ref)
+    for key in ref:
+        assert ref[key].abs().max() > 0, f"reference grad of {key} is zero: the check would be vacuous"
+        assert (grads[key] - ref[key]).abs().max().item() < 1e-5, key
+    assert torch.allclose(torch.stack(losses), torch.stack(reference["losses"]), atol=1e-5)
