@@ -31,11 +31,12 @@ def logits_and_export(path: str, layout: dict) -> dict:
     return {"logits": logits, "weights": dict(bridge.export_hf_weights(chunks))}
 
 
-def wrap_ddp(chunks):
+def wrap_ddp(chunks, distributed_optimizer: bool = False):
     """Megatron DDP around each chunk, with the config hooks the schedules call (grad sync, finalize)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                               use_distributed_optimizer=distributed_optimizer)
     wrapped = [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c,
                                        disable_bucketing=i > 0) for i, c in enumerate(chunks)]
     config = chunks[0].config
@@ -60,12 +61,36 @@ def masked_vocab_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab
 
 def train_grads(path: str, layout: dict, micro_batches: int = 4) -> dict:
     """HF-named gradients of the mean next-token loss over `micro_batches` micro-batches of one sequence."""
+    ps, bridge, chunks = build(path, **layout)
+    model = wrap_ddp(chunks)
+    losses = forward_backward(bridge, model, micro_batches)
+    grads = dict(bridge.export_hf_weights(chunks, grads=True))
+    return {"grads": grads, "losses": losses}
+
+
+def optimizer_step(path: str, layout: dict) -> dict:
+    """One Adam step (distributed optimizer, grad clipping) on the next-token loss; HF weights before and after."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ps, bridge, chunks = build(path, **layout)
+    before = dict(bridge.export_hf_weights(chunks))
+    model = wrap_ddp(chunks, distributed_optimizer=True)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0, use_distributed_optimizer=True,
+                        params_dtype=torch.float32), model)
+    optimizer.zero_grad()
+    forward_backward(bridge, model, micro_batches=2)
+    updated, grad_norm, _ = optimizer.step()
+    return {"updated": updated, "grad_norm": grad_norm, "before": before,
+            "after": dict(bridge.export_hf_weights(chunks))}
+
+
+def forward_backward(bridge, model: list, micro_batches: int):
+    """Megatron's forward-backward schedule over `micro_batches` one-sequence batches; per-micro-batch losses."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megarl.models import causal_inputs
 
-    ps, bridge, chunks = build(path, **layout)
-    model = wrap_ddp(chunks)
     batches = input_batches(n=micro_batches, batch=1)
 
     def forward_step(data_iterator, m):
@@ -85,5 +110,4 @@ def train_grads(path: str, layout: dict, micro_batches: int = 4) -> dict:
     losses = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iterators, model=model if len(model) > 1 else model[0],
         num_microbatches=micro_batches, seq_length=SEQ, micro_batch_size=1, forward_only=False)
-    grads = dict(bridge.export_hf_weights(chunks, grads=True))
-    return {"grads": grads, "losses": [x["loss"] for x in losses] if losses else None}
+    return [x["loss"] for x in losses] if losses else None

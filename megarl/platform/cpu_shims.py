@@ -256,7 +256,7 @@ def _checkpoint_results_queue(p: _Patches) -> None:
 
 SHIMS: dict[str, Shim] = {s.name: s for s in [
     Shim("current_device",
-         "utils.py:715/1595, tensor_parallel/mappings.py, p2p_communication.py:215, rotary_pos_embedding.py: "
+         "models/common/embeddings/rotary_pos_embedding.py:162, utils.py:715/1595, p2p_communication.py:215: "
          "torch.cuda.current_device() places scratch buffers -> AssertionError 'Torch not compiled with CUDA "
          "enabled'. Returns 'cpu'.", _current_device),
     Shim("rng",
@@ -277,7 +277,7 @@ SHIMS: dict[str, Shim] = {s.name: s for s in [
          "output weight is moved with `.cuda()` before the embedding all-reduce (also distrib_optimizer.py:1374). "
          "Identity on CPU.", _tensor_cuda),
     Shim("cuda_type_names",
-         "optimizer/distrib_optimizer.py:466, optimizer/optimizer.py:1028, optimizer/clip_grads.py:174: params must "
+         "optimizer/distrib_optimizer.py:466/477, optimizer/optimizer.py:1028, clip_grads.py:174: params must "
          "report type() 'torch.cuda.FloatTensor' (TypeError 'Wrapped parameters must be one of ...'). Inside just "
          "those functions CPU tensors report the cuda type name.", _cuda_type_names_in_optimizers),
     Shim("moe_split_sizes",
@@ -289,7 +289,7 @@ SHIMS: dict[str, Shim] = {s.name: s for s in [
          "TP>1 requires sequence parallelism (moe_layer.py). Allows it and tags the params sequence_parallel.",
          _sequence_parallel_torch_norm),
     Shim("uneven_collectives",
-         "tensor_parallel/mappings.py:118/159: the alltoall dispatcher with expert-TP>1 gathers/reduce-scatters "
+         "tensor_parallel/mappings.py:154/159: the alltoall dispatcher with expert-TP>1 gathers/reduce-scatters "
          "uneven splits; gloo needs equal sizes ('ProcessGroupGloo::allgather: invalid tensor size'). Pads.",
          _uneven_collectives),
     Shim("checkpoint_results_queue",

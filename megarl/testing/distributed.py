@@ -71,7 +71,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 180.0, **kwargs) -> l
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="megarl-ranks-") as tmp:
         stack_files = [os.path.join(tmp, f"rank{r}.stack") for r in range(world_size)]
-        procs = [ctx.Process(target=_child, daemon=True,
+        procs = [ctx.Process(target=_child, daemon=False,  # a rank may start its own helper processes
                              args=(fn, args, kwargs, r, world_size, port, results, stack_files[r], timeout))
                  for r in range(world_size)]
         for p in procs:
@@ -83,6 +83,8 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 180.0, **kwargs) -> l
             try:
                 rank, status, value = results.get(timeout=max(0.1, min(remaining, 1.0)))
                 outcome[rank] = (status, value)
+                if status == "error":  # the others are likely stuck in a collective with the failed rank
+                    deadline = min(deadline, time.monotonic() + 5)
                 continue
             except queue.Empty:
                 pass
@@ -102,10 +104,13 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 180.0, **kwargs) -> l
                 p.kill()
                 p.join()
         errors = []
+        another_failed = any(status == "error" for status, _ in outcome.values())
         for r in range(world_size):
             status, value = outcome.get(r, ("hung", None))
             if status == "error":
                 errors.append(f"--- rank {r} failed:\n{value}")
+            elif status == "hung" and another_failed:
+                errors.append(f"--- rank {r} was still running when another rank failed (stopped)")
             elif status == "hung":
                 with open(stack_files[r]) as f:
                     stack = f.read().strip() or "(no stack dumped)"

@@ -1,0 +1,91 @@
+"""Opening HF model folders: supported families, and a clear error for every kind of bad folder."""
+import json
+import os
+import shutil
+
+import pytest
+
+from megarl.models import SUPPORTED_ARCHITECTURES, FAMILIES, ModelFolderError, open_model_folder
+from megarl.testing import tiny_model_dir
+
+
+@pytest.fixture
+def folder(tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("qwen2"), dst)
+    return dst
+
+
+def _edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    for key in [k for k, v in changes.items() if v is None]:
+        del config[key]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_opens(family):
+    model = open_model_folder(tiny_model_dir(family))
+    assert model.model_type == family and model.is_moe == (family == "qwen3_moe")
+    assert "model.embed_tokens.weight" in model.weight_files
+    assert model.shape().num_layers == 4
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(ModelFolderError, match="does not exist. Fix: point model.path at a local"):
+        open_model_folder(str(tmp_path / "nope"))
+
+
+def test_missing_config(folder):
+    os.remove(folder / "config.json")
+    with pytest.raises(ModelFolderError, match="config.json is missing"):
+        open_model_folder(str(folder))
+
+
+def test_invalid_json(folder):
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(ModelFolderError, match="config.json is not valid JSON"):
+        open_model_folder(str(folder))
+
+
+def test_unsupported_architecture_lists_supported(folder):
+    _edit_config(folder, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ModelFolderError) as error:
+        open_model_folder(str(folder))
+    message = str(error.value)
+    assert "model_type='gpt2'" in message and "GPT2LMHeadModel" in message
+    for model_type, arch in SUPPORTED_ARCHITECTURES.items():
+        assert f"{model_type} ({arch})" in message
+
+
+def test_missing_and_invalid_fields(folder):
+    _edit_config(folder, num_attention_heads=None)
+    with pytest.raises(ModelFolderError, match=r"required field\(s\) \['num_attention_heads'\] missing"):
+        open_model_folder(str(folder))
+    _edit_config(folder, num_attention_heads="four")
+    with pytest.raises(ModelFolderError, match="field num_attention_heads must be a positive integer"):
+        open_model_folder(str(folder))
+
+
+def test_rope_scaling_is_refused(folder):
+    _edit_config(folder, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
+    with pytest.raises(ModelFolderError, match="rope type 'yarn' is not supported"):
+        open_model_folder(str(folder))
+
+
+def test_no_safetensors(folder):
+    os.remove(folder / "model.safetensors")
+    with pytest.raises(ModelFolderError, match=r"no \*.safetensors weights"):
+        open_model_folder(str(folder))
+
+
+def test_missing_tensor_is_named(folder):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, folder / "model.safetensors")
+    model = open_model_folder(str(folder))
+    with pytest.raises(ModelFolderError, match="model.layers.1.mlp.up_proj.weight"):
+        model.read(["model.layers.1.mlp.up_proj.weight"])

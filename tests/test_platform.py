@@ -1,0 +1,75 @@
+"""Version pin check and the multi-rank harness's failure reporting."""
+import time
+
+import pytest
+
+from megarl import platform
+from megarl.platform import VersionMismatchError, check_versions
+from megarl.testing import RankFailure, run_ranks
+
+
+def test_installed_megatron_core_is_the_pinned_one():
+    check_versions()  # the real environment
+    assert platform.PINNED["megatron-core"] == "0.19.2"
+
+
+@pytest.mark.parametrize("installed,needle", [
+    ({"megatron-core": "0.16.1"}, "megatron-core 0.16.1 is installed, but megarl is tested with megatron-core==0.19.2"),
+    ({}, "megatron-core is not installed"),
+])
+def test_version_mismatch_stops_with_the_fix(installed, needle):
+    with pytest.raises(VersionMismatchError) as error:
+        check_versions(installed)
+    assert needle in str(error.value) and "launchers/install.sh" in str(error.value)
+
+
+def test_cpu_overrides_only_on_cpu():
+    overrides = platform.transformer_config_overrides()
+    assert overrides["batch_p2p_comm"] is False and overrides["use_cpu_initialization"] is True
+    assert platform.distributed_backend() == "gloo"
+
+
+def _fail_on_rank_one():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise ValueError("rank one broke")
+    return dist.get_rank()
+
+
+def _hang_on_rank_zero():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        time.sleep(60)
+    return dist.get_rank()
+
+
+def _init_and_rank():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def test_harness_returns_results_in_rank_order():
+    assert run_ranks(3, _init_and_rank) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_harness_reports_the_failing_rank_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(2, _fail_on_rank_one, timeout=60)
+    assert time.monotonic() - start < 30  # rank 0, stuck waiting for rank 1 at teardown, is not waited for long
+    assert "rank 1 failed" in str(failure.value) and "ValueError: rank one broke" in str(failure.value)
+
+
+def test_harness_times_out_with_the_hung_stack():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(2, _hang_on_rank_zero, timeout=2)
+    assert time.monotonic() - start < 30
+    message = str(failure.value)
+    assert "rank 0 did not finish within 2s" in message and "_hang_on_rank_zero" in message
