@@ -15,7 +15,6 @@ setup(
     description="Megatron-Core RL post-training (GRPO/PPO family) with an SGLang rollout engine",
     python_requires=">=3.11",
     packages=find_packages(include=["megarl", "megarl.*"]),
-    package_data={"megarl.platform": ["stubs/*/*.py", "stubs/*/*/*.py", "stubs/*/*/*/*.py"]},
     install_requires=[
         "transformers==5.19.0",
         "tokenizers==0.23.2",
@@ -29,7 +28,7 @@ setup(
         # megatron-core, mbridge and (on CPU) SGLang are installed with --no-deps by launchers/install.sh,
         # because their declared dependencies pin CUDA-only packages; they are listed here for the record.
         "cpu": ["torch==2.13.0", MEGATRON_CORE, MBRIDGE, SGLANG, "triton==3.9.0", "pytest==9.2.0"],
-        "gpu": ["torch==2.14.1", MEGATRON_CORE, MBRIDGE, SGLANG, "transformer-engine[pytorch]==2.9.0"],
+        "gpu": ["torch==2.14.1", MEGATRON_CORE, MBRIDGE, SGLANG, "transformer-engine[pytorch]==2.20.2"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

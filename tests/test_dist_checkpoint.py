@@ -46,3 +46,24 @@ def test_checkpoint_reshards_between_layouts(tmp_path, family, save_layout, load
     assert sorted(weights) == sorted(hf)
     assert all(torch.equal(weights[k], hf[k]) for k in hf)
     assert not list(tmp_path.glob("ckpt.tmp-*"))  # the atomic save left no temporary folder
+
+
+def _save_hf(path, out, layout):
+    _, bridge, chunks = ranks.build(path, **layout)
+    bridge.save_hf(chunks, out)
+    bridge.save_hf(chunks, out)  # overwriting an existing export works too
+
+
+def test_save_hf_folder_loads_in_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dir("qwen3_moe")
+    out = tmp_path / "exported"
+    run_ranks(4, _save_hf, path, str(out), {"tp": 2, "ep": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]  # no temporary folder left behind
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    original = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    batch = ranks.input_batches(n=1)[0]
+    with torch.no_grad():
+        assert torch.equal(original(batch).logits, exported(batch).logits)

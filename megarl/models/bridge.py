@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .. import platform
+from .checkpoint import publish_dir
 from .hf import HFModelFolder, open_model_folder
 
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
@@ -247,7 +248,7 @@ class ModelBridge:
         """Write an HF folder (config, tokenizer files, sharded safetensors + index) atomically.
 
         Each owner rank writes its own shard into a temporary folder next to out_dir; rank 0 writes the index and
-        renames the folder into place last, so a crash never leaves a half-written model at out_dir.
+        publishes the folder last (publish_dir), so a crash never leaves a half-written model at out_dir.
         """
         from safetensors.torch import save_file
 
@@ -262,24 +263,20 @@ class ModelBridge:
         if tensors:
             save_file(tensors, os.path.join(tmp_dir, shard), metadata={"format": "pt"})
         listing = [None] * dist.get_world_size()
-        dist.all_gather_object(listing, (shard, sorted(tensors)))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        dist.all_gather_object(listing, (shard, sorted(tensors), nbytes))
         if rank == 0:
-            weight_map = {n: file for file, names in listing for n in names}
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            weight_map = {n: file for file, names, _ in listing for n in names}
+            total = sum(size for _, _, size in listing)
             with open(os.path.join(tmp_dir, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size_rank0": total}, "weight_map": dict(sorted(weight_map.items()))},
+                json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
                           f, indent=1)
             for name in os.listdir(self.hf.path):  # config, generation config, tokenizer files
                 if not name.endswith(".safetensors") and name != "model.safetensors.index.json":
                     src = os.path.join(self.hf.path, name)
                     if os.path.isfile(src):
                         shutil.copy2(src, os.path.join(tmp_dir, name))
-            for name in os.listdir(tmp_dir):
-                with open(os.path.join(tmp_dir, name), "rb") as f:
-                    os.fsync(f.fileno())
-            if os.path.exists(out_dir):
-                shutil.rmtree(out_dir)
-            os.rename(tmp_dir, out_dir)
+            publish_dir(tmp_dir, out_dir)
         dist.barrier()
 
 

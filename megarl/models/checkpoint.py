@@ -29,18 +29,24 @@ def save_model_checkpoint(chunks: list, ckpt_dir: str) -> None:
     dist_checkpointing.save(_sharded_state(chunks), tmp_dir)
     dist.barrier()
     if dist.get_rank() == 0:
-        for root, _, files in os.walk(tmp_dir):
-            for name in files:
-                with open(os.path.join(root, name), "rb") as f:
-                    os.fsync(f.fileno())
-        if os.path.exists(ckpt_dir):  # keep the old one until the new one is complete, then swap
-            old = f"{ckpt_dir}.old-{os.getpid()}"
-            os.rename(ckpt_dir, old)
-            os.rename(tmp_dir, ckpt_dir)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp_dir, ckpt_dir)
+        publish_dir(tmp_dir, ckpt_dir)
     dist.barrier()
+
+
+def publish_dir(tmp_dir: str, final_dir: str) -> None:
+    """fsync every file in tmp_dir, then move it to final_dir. An existing final_dir stays whole until the new one is
+    complete: it is renamed aside, the new folder renamed in, and only then the old one removed."""
+    for root, _, files in os.walk(tmp_dir):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+    if os.path.exists(final_dir):
+        old = f"{final_dir}.old-{os.getpid()}"
+        os.rename(final_dir, old)
+        os.rename(tmp_dir, final_dir)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp_dir, final_dir)
 
 
 def load_model_checkpoint(chunks: list, ckpt_dir: str) -> None:

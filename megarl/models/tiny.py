@@ -53,7 +53,7 @@ def write_tiny_model(out_dir: str, family: str, seed: int = 0, dtype: torch.dtyp
     if family not in _FAMILY:
         raise ValueError(f"unknown tiny model family {family!r}; choose one of {FAMILIES}")
     os.makedirs(out_dir, exist_ok=True)
-    fields = dict(_BASE, **_FAMILY[family], **overrides)
+    fields = {**_BASE, **_FAMILY[family], **overrides}
     config = AutoConfig.for_model(family, **fields)
     config.torch_dtype = dtype
     generator = torch.Generator().manual_seed(seed)
