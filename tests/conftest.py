@@ -22,3 +22,5 @@ import megatron.core.optimizer  # noqa: E402,F401
 import megatron.core.pipeline_parallel  # noqa: E402,F401
 import mbridge  # noqa: E402,F401
 import transformers  # noqa: E402,F401
+
+pytest_plugins = ["megarl.testing.fixtures"]

@@ -2,6 +2,7 @@
 import time
 
 import pytest
+import torch
 
 from megarl import platform
 from megarl.platform import VersionMismatchError, check_versions
@@ -21,6 +22,22 @@ def test_version_mismatch_stops_with_the_fix(installed, needle):
     with pytest.raises(VersionMismatchError) as error:
         check_versions(installed)
     assert needle in str(error.value) and "launchers/install.sh" in str(error.value)
+
+
+def _setup_as_if_on_gpu():
+    from megarl.platform import cpu_shims
+
+    for name in cpu_shims.applied():
+        cpu_shims.revert(name)
+    platform._done = False
+    torch.cuda.is_available = lambda: True  # this forked rank only
+    platform.setup()
+    return cpu_shims.applied(), platform.transformer_config_overrides(), platform.distributed_backend()
+
+
+def test_no_shims_and_no_cpu_flags_on_gpu():
+    (result,) = run_ranks(1, _setup_as_if_on_gpu)
+    assert result == ([], {}, "nccl")
 
 
 def test_cpu_overrides_only_on_cpu():

@@ -1,0 +1,16 @@
+"""pytest fixtures (enable with `pytest_plugins = ["megarl.testing.fixtures"]` in a conftest.py)."""
+import pytest
+
+from .models import tiny_model_dir
+
+
+@pytest.fixture
+def tiny_model():
+    """Factory: tiny_model("qwen3", **config_overrides) -> path of a tiny random HF model folder (cached)."""
+    return tiny_model_dir
+
+
+@pytest.fixture(params=["llama", "qwen2", "qwen3", "qwen3_moe"])
+def tiny_model_any_family(request):
+    """Path of a tiny model, once per supported family."""
+    return tiny_model_dir(request.param)
