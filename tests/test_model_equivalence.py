@@ -94,3 +94,23 @@ def test_grads_match_single_rank(case):
         assert ref[key].abs().max() > 0, f"reference grad of {key} is zero: the check would be vacuous"
         assert (grads[key] - ref[key]).abs().max().item() < 1e-5, key
     assert torch.allclose(torch.stack(losses), torch.stack(reference["losses"]), atol=1e-5)
+
+
+def _tied_then_untied(tied_path, untied_path):
+    from megarl.models import ModelBridge
+
+    names = {}
+    for path in (tied_path, untied_path):
+        _, bridge, chunks = ranks.build(path)
+        names[path] = sorted(name for name, _ in bridge.export_hf_weights(chunks))
+        ModelBridge(path)  # a second bridge in the same process
+    return names
+
+
+def test_tied_model_does_not_leak_its_name_table_into_later_models():
+    # mbridge's Qwen3 bridge rewrites the (inherited) Qwen2 class table for tied embeddings.
+    tied, untied = tiny_model_dir("qwen3"), tiny_model_dir("qwen2")
+    (names,) = run_ranks(1, _tied_then_untied, tied, untied)
+    _, untied_weights = _hf_reference("qwen2")
+    assert "lm_head.weight" not in names[tied]
+    assert names[untied] == sorted(untied_weights)

@@ -65,6 +65,7 @@ class ModelBridge:
         # mbridge reads rope_theta as an attribute; transformers 5 keeps it in rope_parameters.
         if not hasattr(hf_config, "rope_theta"):
             hf_config.rope_theta = self.hf.rope_theta
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.mb = AutoBridge.from_config(hf_config, dtype=self.dtype)
         self._isolate_name_tables()
         self.mb.set_extra_args(**self._config_extras(config_overrides or {}))
@@ -79,7 +80,6 @@ class ModelBridge:
         # mbridge pads/unpads embedding and output layer with these three attributes.
         self.mb.make_vocab_size_divisible_by = multiple
         self.mb.vocab_size, self.mb.padded_vocab_size = self.vocab_size, self.padded_vocab_size
-        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
 
     # ------------------------------------------------------------------------------------------------ config
     def _config_extras(self, overrides: dict) -> dict:
@@ -99,10 +99,7 @@ class ModelBridge:
     def _isolate_name_tables(self) -> None:
         cls = type(self.mb)
         direct = dict(cls._DIRECT_MAPPING)
-        if getattr(self.hf.config, "tie_word_embeddings", False):
-            direct["output_layer.weight"] = "model.embed_tokens.weight"
-        else:
-            direct["output_layer.weight"] = "lm_head.weight"
+        direct["output_layer.weight"] = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
         self.mb._DIRECT_MAPPING = direct
         for klass in cls.__mro__:  # undo the class-level rewrite mbridge's constructor made
             if "_DIRECT_MAPPING" in vars(klass) and "output_layer.weight" in klass._DIRECT_MAPPING:
