@@ -111,3 +111,19 @@ def forward_backward(bridge, model: list, micro_batches: int):
         forward_step_func=forward_step, data_iterator=iterators, model=model if len(model) > 1 else model[0],
         num_microbatches=micro_batches, seq_length=SEQ, micro_batch_size=1, forward_only=False)
     return [x["loss"] for x in losses] if losses else None
+
+
+def rl_grads(path: str, layout: dict, global_batch, cfg, num_microbatches: int) -> dict:
+    """HF-named gradients and global metrics of one RL batch through megarl's loss + Megatron's schedule."""
+    from megarl.losses import forward_backward, prepare_global_batch, reduce_metrics
+
+    ps, bridge, chunks = build(path, **layout)
+    model = wrap_ddp(chunks)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per_rank = global_batch.input_ids.shape[0] // dp
+    local = global_batch.rows(slice(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+    local = prepare_global_batch(local, cfg.aggregation, cfg.norm_length, dp_group=ps.get_data_parallel_group())
+    for m in model:
+        m.zero_grad_buffer()
+    metrics = reduce_metrics(forward_backward(model, local, num_microbatches, cfg, bridge.vocab_size))
+    return {"grads": dict(bridge.export_hf_weights(chunks, grads=True)), "metrics": metrics}

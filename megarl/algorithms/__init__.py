@@ -1,0 +1,13 @@
+"""RL algorithms as small pure functions in registries chosen by name (advantages, policy losses, KL, aggregation,
+train/inference mismatch correction). The Megatron loss function that combines them is in megarl.losses."""
+from .advantages import ADVANTAGE_ESTIMATORS, compute_advantages, masked_whiten, register_advantage
+from .aggregation import AGGREGATIONS, global_counts, loss_weights
+from .config import AlgorithmConfig, AlgorithmConfigError, MismatchConfig
+from .kl import KL_ESTIMATORS, kl_estimate
+from .mismatch import MISMATCH_MODES, mismatch_weights
+from .policy_losses import POLICY_LOSSES, register_policy_loss, value_loss
+
+__all__ = ["ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "KL_ESTIMATORS", "MISMATCH_MODES", "POLICY_LOSSES",
+           "AlgorithmConfig", "AlgorithmConfigError", "MismatchConfig", "compute_advantages", "global_counts",
+           "kl_estimate", "loss_weights", "masked_whiten", "mismatch_weights", "register_advantage",
+           "register_policy_loss", "value_loss"]

@@ -1,0 +1,100 @@
+"""AlgorithmConfig: which advantage estimator, policy loss, KL, entropy, aggregation and mismatch correction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .advantages import ADVANTAGE_ESTIMATORS
+from .aggregation import AGGREGATIONS
+from .kl import KL_ESTIMATORS
+from .mismatch import MISMATCH_MODES
+from .policy_losses import POLICY_LOSSES
+
+
+class AlgorithmConfigError(ValueError):
+    """An algorithm setting that cannot work; the message names the field and the fix."""
+
+
+@dataclass
+class MismatchConfig:
+    mode: Optional[str] = None  # None | tis | seq_tis | mis | icepop
+    cap: float = 2.0  # tis / seq_tis truncation
+    low: float = 0.5  # mis / icepop: keep ratios within [low, high]
+    high: float = 2.0
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage_estimator: str = "grpo"
+    policy_loss: str = "ppo_clip"
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2  # DAPO clip-higher: e.g. 0.28
+    dual_clip: Optional[float] = None  # dual-clip PPO constant c > 1
+    aggregation: str = "token-mean"
+    norm_length: Optional[int] = None  # seq-mean-token-sum-norm constant (e.g. max new tokens)
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in_reward: bool = False  # REINFORCE++/GAE: -kl_coef*kl per token in the reward instead of in the loss
+    entropy_coef: float = 0.0
+    temperature: float = 1.0  # the rollout's sampling temperature: log-probs are of logits / temperature
+    gamma: float = 1.0
+    lam: float = 0.95
+    use_critic: bool = False
+    value_clip: Optional[float] = 0.2
+    reward_weights: Optional[list] = None  # gdpo: one weight per reward
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+
+    def validate(self) -> "AlgorithmConfig":
+        _choice("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
+        _choice("policy_loss", self.policy_loss, POLICY_LOSSES)
+        _choice("aggregation", self.aggregation, AGGREGATIONS)
+        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _choice("mismatch.mode", self.mismatch.mode, MISMATCH_MODES)
+        if not 0 <= self.clip_eps_low < 1:
+            raise AlgorithmConfigError(f"algorithm.clip_eps_low={self.clip_eps_low} must be in [0, 1): the lower "
+                                       "ratio bound is 1 - clip_eps_low. Fix: e.g. 0.2.")
+        if self.clip_eps_high < 0:
+            raise AlgorithmConfigError(f"algorithm.clip_eps_high={self.clip_eps_high} must be >= 0: the upper ratio "
+                                       "bound is 1 + clip_eps_high (bounds would be inverted). Fix: e.g. 0.2 or 0.28.")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise AlgorithmConfigError(f"algorithm.dual_clip={self.dual_clip} must be > 1 (it caps -A * ratio for "
+                                       "negative advantages). Fix: e.g. 3.0, or null to disable.")
+        if self.mismatch.low >= self.mismatch.high or self.mismatch.low <= 0:
+            raise AlgorithmConfigError(f"algorithm.mismatch.low={self.mismatch.low} must be > 0 and below "
+                                       f"algorithm.mismatch.high={self.mismatch.high}.")
+        if self.mismatch.cap <= 0:
+            raise AlgorithmConfigError(f"algorithm.mismatch.cap={self.mismatch.cap} must be > 0 (e.g. 2.0).")
+        if self.temperature <= 0:
+            raise AlgorithmConfigError(f"algorithm.temperature={self.temperature} must be > 0.")
+        if self.advantage_estimator == "gae" and not self.use_critic:
+            raise AlgorithmConfigError("algorithm.advantage_estimator=gae needs a critic's values. Fix: set "
+                                       "algorithm.use_critic: true, or pick a critic-free estimator (grpo, rloo, ...).")
+        if self.use_critic and self.advantage_estimator != "gae":
+            raise AlgorithmConfigError(f"algorithm.use_critic=true but advantage_estimator="
+                                       f"{self.advantage_estimator!r} does not use values. Fix: use gae or drop the "
+                                       "critic.")
+        if self.kl_in_reward:
+            if self.advantage_estimator not in ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+                raise AlgorithmConfigError(
+                    f"algorithm.kl_in_reward=true needs token-level returns, which advantage_estimator="
+                    f"{self.advantage_estimator!r} does not compute. Fix: kl_in_reward: false (KL in the loss) or "
+                    "use gae / reinforce_plus_plus / reinforce_plus_plus_baseline.")
+            if not self.kl_coef:
+                raise AlgorithmConfigError("algorithm.kl_in_reward=true with kl_coef=0 adds nothing. "
+                                           "Fix: set kl_coef > 0 or kl_in_reward: false.")
+        if self.aggregation == "seq-mean-token-sum-norm" and not self.norm_length:
+            raise AlgorithmConfigError("algorithm.aggregation=seq-mean-token-sum-norm needs algorithm.norm_length "
+                                       "(a constant, e.g. the rollout's max new tokens).")
+        if self.advantage_estimator == "dr_grpo" and self.aggregation == "seq-mean-token-mean":
+            raise AlgorithmConfigError("algorithm.advantage_estimator=dr_grpo removes length normalisation, but "
+                                       "aggregation=seq-mean-token-mean puts it back. Fix: aggregation: "
+                                       "seq-mean-token-sum-norm (or token-mean).")
+        if self.reward_weights is not None and self.advantage_estimator != "gdpo":
+            raise AlgorithmConfigError("algorithm.reward_weights is only used by advantage_estimator=gdpo.")
+        return self
+
+
+def _choice(name, value, choices) -> None:
+    if value not in choices:
+        listed = sorted(str(c) for c in choices)
+        raise AlgorithmConfigError(f"algorithm.{name}={value!r} is unknown; choose one of {listed}")

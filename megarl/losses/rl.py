@@ -1,0 +1,225 @@
+"""RL and SFT objectives as Megatron loss functions.
+
+A batch is a `TokenBatch` of [batch, seq] tensors, already shifted: position t holds the token the model reads
+(`input_ids[t]`) and the token it must predict (`targets[t] = input_ids[t + 1]`), with `loss_mask[t] = 1` where that
+prediction is trained (response tokens). Per-token RL inputs (advantages, old/ref/rollout log-probs) sit at the same
+positions. `loss_weight` is the aggregation weight from megarl.algorithms.aggregation, fixed for the whole global batch
+before it is split (see `prepare_global_batch`), so every micro-batch contributes sum_t loss_t * loss_weight_t and the
+gradient does not depend on the TP/PP/DP/CP layout or the micro-batch split.
+
+Megatron's schedules divide a loss function's output by the number of micro-batches and multiply it by the CP size;
+DDP then divides gradients by DP*CP. `make_loss_func` multiplies by num_microbatches * DP to cancel that, so the
+total gradient is exactly d/dtheta of sum over the global batch of loss_t * loss_weight_t. This needs
+`config.calculate_per_token_loss = False` (Megatron's default), which it checks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..algorithms import AlgorithmConfig, POLICY_LOSSES, global_counts, kl_estimate, loss_weights, mismatch_weights
+from .vocab_parallel import vocab_parallel_logprob_entropy
+
+
+@dataclass
+class TokenBatch:
+    input_ids: torch.Tensor  # [b, s] int64
+    targets: torch.Tensor  # [b, s] int64, input_ids shifted left by one
+    loss_mask: torch.Tensor  # [b, s] float, 1 where targets[t] is trained
+    loss_weight: Optional[torch.Tensor] = None  # [b, s] aggregation weights (prepare_global_batch)
+    advantages: Optional[torch.Tensor] = None
+    old_log_probs: Optional[torch.Tensor] = None
+    ref_log_probs: Optional[torch.Tensor] = None
+    rollout_log_probs: Optional[torch.Tensor] = None
+
+    def rows(self, index) -> "TokenBatch":
+        return replace(self, **{f.name: getattr(self, f.name)[index] for f in fields(self)
+                                if getattr(self, f.name) is not None})
+
+    def split(self, num_micro_batches: int) -> list["TokenBatch"]:
+        size = self.input_ids.shape[0]
+        if size % num_micro_batches:
+            raise ValueError(f"a batch of {size} sequences cannot be split into {num_micro_batches} equal "
+                             "micro-batches")
+        step = size // num_micro_batches
+        return [self.rows(slice(i, i + step)) for i in range(0, size, step)]
+
+
+def shift_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int, seq_len: int | None = None):
+    """(input_ids, targets, loss_mask) [b, s] for prompt+response sequences, right-padded with pad_id.
+
+    The response token at absolute position p is predicted at position p - 1, so loss_mask covers
+    [len(prompt) - 1, len(prompt) + len(response) - 2].
+    """
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    seq_len = seq_len or max(lengths)
+    ids = torch.full((len(prompts), seq_len), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), seq_len)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        if not p:
+            raise ValueError(f"sequence {i}: empty prompt (the first response token needs a token to predict it)")
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        mask[i, len(p) - 1: len(p) + len(r) - 1] = 1
+    targets = torch.cat([ids[:, 1:], torch.full((len(prompts), 1), pad_id, dtype=torch.long)], dim=1)
+    return ids, targets, mask
+
+
+def place_response_values(values: list[list[float]], prompt_lengths: list[int], seq_len: int) -> torch.Tensor:
+    """Per-response-token values (e.g. rollout log-probs) at their loss_mask positions, 0 elsewhere."""
+    out = torch.zeros(len(values), seq_len)
+    for i, (v, p) in enumerate(zip(values, prompt_lengths)):
+        out[i, p - 1: p - 1 + len(v)] = torch.as_tensor(v, dtype=torch.float32)
+    return out
+
+
+def prepare_global_batch(batch: TokenBatch, aggregation: str = "token-mean", norm_length: int | None = None,
+                         dp_group=None) -> TokenBatch:
+    """Set loss_weight for this data-parallel rank's share of the global batch (whole sequences, before micro-batch
+    and context-parallel splits). Global counts are summed over dp_group."""
+    num_tokens, num_seqs = global_counts(batch.loss_mask, dp_group)
+    return replace(batch, loss_weight=loss_weights(batch.loss_mask, aggregation, num_tokens, num_seqs, norm_length))
+
+
+# ------------------------------------------------------------------------------------------------------ objectives
+def _seq_sum(cp_group):
+    def seq_sum(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            total = x.detach().float().sum(-1)
+            if cp_group is not None and dist.get_world_size(cp_group) > 1:
+                dist.all_reduce(total, group=cp_group)
+            return total
+    return seq_sum
+
+
+def _mean_stat(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.stack([(values.detach().float() * mask).sum(), mask.sum()])
+
+
+def rl_objective(log_prob: torch.Tensor, entropy: torch.Tensor, batch: TokenBatch, cfg: AlgorithmConfig,
+                 cp_group=None) -> tuple[torch.Tensor, dict]:
+    """sum_t loss_t * loss_weight_t for one micro-batch (or CP shard of it), and its metrics.
+
+    Metrics: "mean/<name>" -> tensor([sum, count]) over response tokens; "max/<name>" -> scalar; "values/ratio" ->
+    1-D tensor of the response tokens' ratios (for percentiles).
+    """
+    mask = batch.loss_mask
+    seq_sum = _seq_sum(cp_group)
+    rollout = batch.rollout_log_probs if batch.rollout_log_probs is not None else batch.old_log_probs
+    is_weight, kept = mismatch_weights(batch.old_log_probs, rollout, mask, cfg.mismatch.mode, seq_sum,
+                                       cap=cfg.mismatch.cap, low=cfg.mismatch.low, high=cfg.mismatch.high)
+    pg_loss, stats = POLICY_LOSSES[cfg.policy_loss](log_prob, batch.old_log_probs, batch.advantages, kept, cfg,
+                                                    seq_sum)
+    per_token = pg_loss * is_weight
+    metrics = {"mean/pg_loss": _mean_stat(pg_loss, kept), "mean/entropy": _mean_stat(entropy, mask),
+               "mean/ppo_kl": _mean_stat(batch.old_log_probs - log_prob, kept),
+               "mean/masked_frac": _mean_stat(1 - kept.float(), mask), "mean/is_weight": _mean_stat(is_weight, mask)}
+    for name, value in stats.items():
+        metrics[f"mean/{name}"] = _mean_stat(value, kept)
+    if batch.ref_log_probs is not None:
+        kl = kl_estimate(log_prob, batch.ref_log_probs, cfg.kl_estimator)
+        metrics["mean/kl"] = _mean_stat(kl, mask)
+        if cfg.kl_coef and not cfg.kl_in_reward:
+            per_token = per_token + cfg.kl_coef * kl
+    elif cfg.kl_coef and not cfg.kl_in_reward:
+        raise ValueError("algorithm.kl_coef > 0 (KL in the loss) needs ref_log_probs in the batch")
+    if cfg.entropy_coef:
+        per_token = per_token - cfg.entropy_coef * entropy
+    # Train vs rollout engine: |difference| and k3 KL(rollout || train), from the rollout's samples.
+    with torch.no_grad():
+        diff = (log_prob - rollout).abs() * mask
+        metrics["mean/logprob_abs_diff"] = _mean_stat(diff, mask)
+        metrics["max/logprob_abs_diff"] = diff.max() if diff.numel() else torch.zeros(())
+        metrics["mean/k3_kl_rollout_train"] = _mean_stat(kl_estimate(rollout, log_prob, "k3"), mask)
+        metrics["values/ratio"] = stats.get("ratio", torch.exp(log_prob - batch.old_log_probs))[mask > 0].detach()
+    loss = (per_token * kept * batch.loss_weight).sum()
+    return loss, metrics
+
+
+def sft_objective(log_prob: torch.Tensor, entropy: torch.Tensor, batch: TokenBatch, cfg=None, cp_group=None):
+    """Cross-entropy on the masked targets: sum_t -log p(target_t) * loss_weight_t."""
+    mask = batch.loss_mask
+    loss = (-log_prob * mask * batch.loss_weight).sum()
+    return loss, {"mean/nll": _mean_stat(-log_prob, mask), "mean/entropy": _mean_stat(entropy, mask)}
+
+
+OBJECTIVES: dict[str, Callable] = {"rl": rl_objective, "sft": sft_objective}
+
+
+# ---------------------------------------------------------------------------------------------- Megatron adapter
+def make_loss_func(batch: TokenBatch, cfg: AlgorithmConfig | None, *, num_microbatches: int, vocab_size: int,
+                   objective: str = "rl", temperature: float | None = None, tp_group=None, cp_group=None,
+                   dp_size: int | None = None, model_config=None):
+    """The loss_func a forward_step_func returns to Megatron's schedule, for one micro-batch.
+
+    Groups and the DP size default to megatron.core.parallel_state's. Returns loss_func(logits) -> (scaled loss,
+    metrics), logits being this TP rank's vocabulary slice [b, s, vocab/tp] from the last pipeline stage.
+    """
+    from megatron.core import parallel_state as ps
+
+    if model_config is not None and getattr(model_config, "calculate_per_token_loss", False):
+        raise ValueError("megarl's loss functions normalise by global counts themselves; set "
+                         "TransformerConfig.calculate_per_token_loss=False")
+    if batch.loss_weight is None:
+        raise ValueError("batch.loss_weight is not set: call prepare_global_batch() on the global batch first")
+    tp_group = tp_group if tp_group is not None else ps.get_tensor_model_parallel_group()
+    if cp_group is None and ps.get_context_parallel_world_size() > 1:
+        cp_group = ps.get_context_parallel_group()
+    dp_size = dp_size if dp_size is not None else ps.get_data_parallel_world_size()
+    temperature = temperature if temperature is not None else (cfg.temperature if cfg is not None else 1.0)
+    fn = OBJECTIVES[objective]
+
+    def loss_func(logits: torch.Tensor):
+        log_prob, entropy = vocab_parallel_logprob_entropy(logits, batch.targets, vocab_size=vocab_size,
+                                                           temperature=temperature, group=tp_group)
+        loss, metrics = fn(log_prob, entropy, batch, cfg, cp_group=cp_group)
+        metrics["loss"] = torch.stack([loss.detach(), torch.ones(())])
+        return loss * (num_microbatches * dp_size), metrics
+
+    return loss_func
+
+
+def reduce_metrics(per_microbatch: list[dict] | None) -> dict[str, float]:
+    """Global metrics from the loss functions' outputs (a collective over all ranks; call it on every rank).
+
+    Means are sums over micro-batches, DP and CP ranks divided by the global token count; maxima and ratio
+    percentiles are global too. Only the last pipeline stage computed them: the result is shared with every stage.
+    """
+    from megatron.core import parallel_state as ps
+
+    holder = None
+    if per_microbatch:
+        dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+        keys = sorted(per_microbatch[0])
+        means = [k for k in keys if k.startswith("mean/") or k == "loss"]
+        maxes = [k for k in keys if k.startswith("max/")]
+        sums = torch.stack([sum(m[k].double() for m in per_microbatch) for k in means]) if means else None
+        mx = torch.stack([torch.stack([m[k].double() for m in per_microbatch]).max() for k in maxes]) if maxes \
+            else None
+        if sums is not None:
+            dist.all_reduce(sums, group=dp_cp)
+        if mx is not None:
+            dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=dp_cp)
+        ratio_parts = [m["values/ratio"].double() for m in per_microbatch if "values/ratio" in m]
+        result = {}
+        for k, (total, count) in zip(means, sums if sums is not None else []):
+            name = k.split("/", 1)[-1]
+            result[name] = float(total) if k == "loss" else float(total / count.clamp(min=1))
+        for k, value in zip(maxes, mx if mx is not None else []):
+            result[k.split("/", 1)[1] + "_max"] = float(value)
+        if ratio_parts:
+            gathered = [None] * dist.get_world_size(dp_cp)
+            dist.all_gather_object(gathered, torch.cat(ratio_parts), group=dp_cp)
+            ratios = torch.cat(gathered)
+            if ratios.numel():
+                for q in (0.05, 0.5, 0.95):
+                    result[f"ratio_p{int(q * 100)}"] = float(torch.quantile(ratios, q))
+        holder = result
+    # Share the last stage's result with the other pipeline stages.
+    pp_group = ps.get_pipeline_model_parallel_group()
+    last = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)
+    box = [holder]
+    dist.broadcast_object_list(box, src=last, group=pp_group)
+    return box[0] or {}

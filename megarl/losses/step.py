@@ -1,0 +1,74 @@
+"""One optimisation step of a token batch through Megatron's pipeline schedule (PP, VPP, DP grad reduction, grad
+clipping in the optimizer), and forward-only log-probs for old/reference policies."""
+from __future__ import annotations
+
+import torch
+
+from ..models.forward import causal_inputs
+from .rl import TokenBatch, make_loss_func, reduce_metrics
+from .vocab_parallel import vocab_parallel_logprob_entropy
+
+
+def run_schedule(model: list, micro_batches: list[TokenBatch], loss_func_for, forward_only: bool = False):
+    """get_forward_backward_func() over the micro-batches; loss_func_for(batch) gives each one's loss_func."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, chunk):
+        batch = next(data_iterator)
+        return chunk(*causal_inputs(batch.input_ids)), loss_func_for(batch)
+
+    iterators = [iter(micro_batches) for _ in model] if len(model) > 1 else iter(micro_batches)
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iterators, model=model if len(model) > 1 else model[0],
+        num_microbatches=len(micro_batches), seq_length=micro_batches[0].input_ids.shape[1],
+        micro_batch_size=micro_batches[0].input_ids.shape[0], forward_only=forward_only)
+
+
+def forward_backward(model: list, global_batch: TokenBatch, num_microbatches: int, cfg, vocab_size: int,
+                     objective: str = "rl") -> list:
+    """Accumulate gradients of this rank's share of a prepared global batch; returns the loss functions' metrics."""
+    micro_batches = global_batch.split(num_microbatches)
+    config = _unwrap(model[0]).config
+    return run_schedule(model, micro_batches, lambda b: make_loss_func(
+        b, cfg, num_microbatches=num_microbatches, vocab_size=vocab_size, objective=objective, model_config=config))
+
+
+def train_step(model: list, optimizer, global_batch: TokenBatch, num_microbatches: int, cfg, vocab_size: int,
+               objective: str = "rl") -> dict:
+    """zero grads -> forward/backward over the micro-batches -> optimizer step; globally reduced metrics."""
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    per_microbatch = forward_backward(model, global_batch, num_microbatches, cfg, vocab_size, objective)
+    updated, grad_norm, _ = optimizer.step()
+    metrics = reduce_metrics(per_microbatch)
+    metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                   update_successful=float(bool(updated)), lr=float(optimizer.param_groups[0]["lr"]))
+    return metrics
+
+
+@torch.no_grad()
+def compute_log_probs(model: list, global_batch: TokenBatch, num_microbatches: int, vocab_size: int,
+                      temperature: float = 1.0):
+    """Log-probs [b, s] of the batch's targets under `model` (old or reference policy), on the last pipeline stage
+    (None elsewhere); positions outside loss_mask are 0."""
+    from megatron.core import parallel_state as ps
+
+    def loss_func_for(batch):
+        def loss_func(logits):
+            log_prob, _ = vocab_parallel_logprob_entropy(logits, batch.targets, vocab_size=vocab_size,
+                                                         temperature=temperature,
+                                                         group=ps.get_tensor_model_parallel_group())
+            return torch.zeros(()), {"log_probs": log_prob * batch.loss_mask}
+        return loss_func
+
+    outputs = run_schedule(model, global_batch.split(num_microbatches), loss_func_for, forward_only=True)
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return torch.cat([o["log_probs"] for o in outputs])
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model

@@ -1,0 +1,66 @@
+"""Layout invariance: one RL batch with unequal sequence lengths gives the same gradients and global metrics at
+TP 1/2, PP 1/2 (and VPP), DP 1/2 and 1/2/4 micro-batches, for every aggregation mode."""
+import functools
+
+import pytest
+import torch
+
+import ranks
+from megarl.algorithms import AGGREGATIONS, AlgorithmConfig, MismatchConfig
+from megarl.testing import run_ranks, tiny_model_dir
+from rl_batch import TEMPERATURE, rl_token_batch
+
+FAMILY = "qwen3"  # qk-norm and tied embeddings (split across pipeline stages at PP=2)
+# (name, layout, world size, micro-batches per DP rank)
+LAYOUTS = [("mb4", {}, 1, 4), ("tp2", {"tp": 2}, 2, 2), ("pp2", {"pp": 2}, 2, 4), ("dp2", {}, 2, 2),
+           ("pp2vpp2", {"pp": 2, "vpp": 2}, 2, 4), ("tp2pp2", {"tp": 2, "pp": 2}, 4, 1), ("tp2dp2", {"tp": 2}, 4, 1)]
+
+
+def _config(aggregation):
+    return AlgorithmConfig(policy_loss="ppo_clip", clip_eps_low=0.1, clip_eps_high=0.15, dual_clip=3.0,
+                           aggregation=aggregation, norm_length=16, kl_coef=0.05, entropy_coef=0.01,
+                           temperature=TEMPERATURE, mismatch=MismatchConfig(mode="tis", cap=1.5)).validate()
+
+
+@functools.cache
+def _batch():
+    return rl_token_batch(tiny_model_dir(FAMILY))
+
+
+@functools.cache
+def _reference(aggregation):
+    (result,) = run_ranks(1, ranks.rl_grads, tiny_model_dir(FAMILY), {}, _batch(), _config(aggregation), 1)
+    return result
+
+
+def test_batch_has_unequal_lengths_and_clipping():
+    lengths = _batch().loss_mask.sum(-1)
+    assert len(set(lengths.tolist())) > 3
+    metrics = _reference("token-mean")["metrics"]
+    assert 0 < metrics["clip_frac_low"] + metrics["clip_frac_high"] < 1  # both branches of the clip are used
+    assert metrics["kl"] > 0 and metrics["entropy"] > 0
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("name,layout,world,micro_batches", LAYOUTS, ids=[l[0] for l in LAYOUTS])
+def test_gradients_do_not_depend_on_layout(aggregation, name, layout, world, micro_batches):
+    ref = _reference(aggregation)
+    results = run_ranks(world, ranks.rl_grads, tiny_model_dir(FAMILY), layout, _batch(), _config(aggregation),
+                        micro_batches)
+    grads = {}
+    for r in results:
+        grads.update(r["grads"])
+    assert sorted(grads) == sorted(ref["grads"])
+    for key, expected in ref["grads"].items():
+        scale = expected.abs().max().item()
+        assert scale > 0, key
+        assert (grads[key] - expected).abs().max().item() <= 1e-5 * scale + 1e-8, key
+    for r in results:  # every rank, every pipeline stage, reports the same global metrics
+        for key in ("loss", "pg_loss", "kl", "entropy", "clip_frac_low", "clip_frac_high", "ppo_kl",
+                    "logprob_abs_diff", "logprob_abs_diff_max", "ratio_p50", "ratio_p95"):
+            assert abs(r["metrics"][key] - ref["metrics"][key]) <= 1e-5 * max(1.0, abs(ref["metrics"][key])), key
+
+
+def test_aggregation_modes_really_differ():
+    losses = {mode: _reference(mode)["metrics"]["loss"] for mode in AGGREGATIONS}
+    assert len({round(v, 6) for v in losses.values()}) == len(AGGREGATIONS)
