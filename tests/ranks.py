@@ -127,3 +127,25 @@ def rl_grads(path: str, layout: dict, global_batch, cfg, num_microbatches: int) 
         m.zero_grad_buffer()
     metrics = reduce_metrics(forward_backward(model, local, num_microbatches, cfg, bridge.vocab_size))
     return {"grads": dict(bridge.export_hf_weights(chunks, grads=True)), "metrics": metrics}
+
+
+def rl_train_step(path: str, layout: dict, global_batch, cfg, num_microbatches: int) -> dict:
+    """One megarl.losses.train_step (DDP, SGD, grad clipping): HF weights after, metrics. (SGD keeps the layout
+    comparison tight; Adam's first step is ~lr*sign(g), which amplifies float noise in near-zero grads.)"""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megarl.losses import compute_log_probs, prepare_global_batch, train_step
+
+    ps, bridge, chunks = build(path, **layout)
+    model = wrap_ddp(chunks)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="sgd", lr=0.5, sgd_momentum=0.0, clip_grad=0.05,
+                        params_dtype=torch.float32), model)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per_rank = global_batch.input_ids.shape[0] // dp
+    local = global_batch.rows(slice(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+    log_probs = compute_log_probs(model, local, num_microbatches, bridge.vocab_size, temperature=cfg.temperature)
+    local = prepare_global_batch(local, cfg.aggregation, cfg.norm_length, dp_group=ps.get_data_parallel_group())
+    metrics = train_step(model, optimizer, local, num_microbatches, cfg, bridge.vocab_size)
+    return {"weights": dict(bridge.export_hf_weights(chunks)), "metrics": metrics, "log_probs": log_probs,
+            "rows": (dp_rank * per_rank, (dp_rank + 1) * per_rank)}
