@@ -12,16 +12,12 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+from .registry import registrar
 import torch.distributed as dist
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
-
-
-def register_advantage(name: str):
-    def deco(fn):
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-    return deco
+register_advantage = registrar(ADVANTAGE_ESTIMATORS)
 
 
 def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor):

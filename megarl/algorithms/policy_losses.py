@@ -15,14 +15,10 @@ from typing import Callable
 
 import torch
 
+from .registry import registrar
+
 POLICY_LOSSES: dict[str, Callable] = {}
-
-
-def register_policy_loss(name: str):
-    def deco(fn):
-        POLICY_LOSSES[name] = fn
-        return fn
-    return deco
+register_policy_loss = registrar(POLICY_LOSSES)
 
 
 def _clipped_surrogate(ratio, advantages, eps_low, eps_high, dual_clip):
