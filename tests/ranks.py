@@ -113,7 +113,7 @@ def forward_backward(bridge, model: list, micro_batches: int):
     return [x["loss"] for x in losses] if losses else None
 
 
-def rl_grads(path: str, layout: dict, global_batch, cfg, num_microbatches: int) -> dict:
+def rl_grads(path: str, layout: dict, global_batch, cfg, num_microbatches: int, objective: str = "rl") -> dict:
     """HF-named gradients and global metrics of one RL batch through megarl's loss + Megatron's schedule."""
     from megarl.losses import forward_backward, prepare_global_batch, reduce_metrics
 
@@ -125,7 +125,8 @@ def rl_grads(path: str, layout: dict, global_batch, cfg, num_microbatches: int) 
     local = prepare_global_batch(local, cfg.aggregation, cfg.norm_length, dp_group=ps.get_data_parallel_group())
     for m in model:
         m.zero_grad_buffer()
-    metrics = reduce_metrics(forward_backward(model, local, num_microbatches, cfg, bridge.vocab_size))
+    metrics = reduce_metrics(forward_backward(model, local, num_microbatches, cfg if objective == "rl" else None,
+                                              bridge.vocab_size, objective=objective))
     return {"grads": dict(bridge.export_hf_weights(chunks, grads=True)), "metrics": metrics}
 
 

@@ -256,6 +256,36 @@ def test_mismatch_corrections():
     assert keep.tolist() == [[1, 0, 1], [1, 1, 0]]
 
 
+def test_gae_with_kl_in_reward_equals_explicit_token_rewards():
+    d = _data()
+    mask, kl, values = d["mask"], d["kl"], d["values"]
+    rewards = torch.zeros_like(mask)
+    for i in range(mask.shape[0]):
+        pos = _positions(mask, i)
+        for t in pos:
+            rewards[i, t] = -0.2 * kl[i, t]
+        rewards[i, pos[-1]] += d["scores"][i]
+    explicit = compute_advantages("gae", token_rewards=rewards, values=values, mask=mask, gamma=0.9, lam=0.8)
+    implicit = compute_advantages("gae", scores=d["scores"], kl=kl, kl_coef=0.2, values=values, mask=mask,
+                                  gamma=0.9, lam=0.8)
+    assert torch.allclose(explicit[0], implicit[0], atol=1e-6) and explicit[0].abs().max() > 0
+
+
+def test_value_loss_matches_naive_forward_and_gradient():
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(20, generator=g).requires_grad_(True)
+    old, returns = torch.randn(20, generator=g), torch.randn(20, generator=g)
+    loss, _ = value_loss(values, old, returns, clip=0.3)
+    loss.sum().backward()
+    for i in range(20):
+        v = values[i].detach().clone().requires_grad_(True)
+        clipped = old[i] + torch.clamp(v - old[i], -0.3, 0.3)
+        a, b = (v - returns[i]) ** 2, (clipped - returns[i]) ** 2
+        ref = 0.5 * (a if a.item() >= b.item() else b)
+        ref.backward()
+        assert abs(ref.item() - loss[i].item()) < 1e-6 and abs(v.grad.item() - values.grad[i].item()) < 1e-6
+
+
 def test_value_loss_clipped():
     v, old, ret = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0]), torch.tensor([0.0, 1.0])
     loss, stats = value_loss(v, old, ret, clip=0.2)

@@ -41,12 +41,7 @@ def test_batch_has_unequal_lengths_and_clipping():
     assert metrics["kl"] > 0 and metrics["entropy"] > 0
 
 
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
-@pytest.mark.parametrize("name,layout,world,micro_batches", LAYOUTS, ids=[l[0] for l in LAYOUTS])
-def test_gradients_do_not_depend_on_layout(aggregation, name, layout, world, micro_batches):
-    ref = _reference(aggregation)
-    results = run_ranks(world, ranks.rl_grads, tiny_model_dir(FAMILY), layout, _batch(), _config(aggregation),
-                        micro_batches)
+def _assert_same_grads(results, ref):
     grads = {}
     for r in results:
         grads.update(r["grads"])
@@ -55,6 +50,15 @@ def test_gradients_do_not_depend_on_layout(aggregation, name, layout, world, mic
         scale = expected.abs().max().item()
         assert scale > 0, key
         assert (grads[key] - expected).abs().max().item() <= 1e-5 * scale + 1e-8, key
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("name,layout,world,micro_batches", LAYOUTS, ids=[l[0] for l in LAYOUTS])
+def test_gradients_do_not_depend_on_layout(aggregation, name, layout, world, micro_batches):
+    ref = _reference(aggregation)
+    results = run_ranks(world, ranks.rl_grads, tiny_model_dir(FAMILY), layout, _batch(), _config(aggregation),
+                        micro_batches)
+    _assert_same_grads(results, ref)
     for r in results:  # every rank, every pipeline stage, reports the same global metrics
         for key in ("loss", "pg_loss", "kl", "entropy", "clip_frac_low", "clip_frac_high", "ppo_kl",
                     "logprob_abs_diff", "logprob_abs_diff_max", "ratio_p50", "ratio_p95"):
@@ -64,3 +68,13 @@ def test_gradients_do_not_depend_on_layout(aggregation, name, layout, world, mic
 def test_aggregation_modes_really_differ():
     losses = {mode: _reference(mode)["metrics"]["loss"] for mode in AGGREGATIONS}
     assert len({round(v, 6) for v in losses.values()}) == len(AGGREGATIONS)
+
+
+@pytest.mark.parametrize("name,layout,world,micro_batches", [l for l in LAYOUTS if l[0] in ("tp2", "pp2vpp2", "dp2")],
+                         ids=["tp2", "pp2vpp2", "dp2"])
+def test_sft_gradients_do_not_depend_on_layout(name, layout, world, micro_batches):
+    cfg = _config("token-mean")
+    (ref,) = run_ranks(1, ranks.rl_grads, tiny_model_dir(FAMILY), {}, _batch(), cfg, 1, "sft")
+    results = run_ranks(world, ranks.rl_grads, tiny_model_dir(FAMILY), layout, _batch(), cfg, micro_batches, "sft")
+    _assert_same_grads(results, ref)
+    assert abs(results[-1]["metrics"]["nll"] - ref["metrics"]["nll"]) < 1e-5 and ref["metrics"]["nll"] > 1

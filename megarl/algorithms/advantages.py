@@ -69,9 +69,17 @@ def last_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
 
 
 @register_advantage("gae")
-def gae(*, token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-        lam: float = 0.95, **_):
-    """Generalised advantage estimation with a critic's values [b, s] (value of the state before each token)."""
+def gae(*, values: torch.Tensor, mask: torch.Tensor, token_rewards: torch.Tensor | None = None,
+        scores: torch.Tensor | None = None, kl: torch.Tensor | None = None, kl_coef: float = 0.0,
+        gamma: float = 1.0, lam: float = 0.95, **_):
+    """Generalised advantage estimation with a critic's values [b, s] (value of the state before each token).
+
+    Rewards are token_rewards, or else the sequence scores on the last token minus kl_coef * kl on every token
+    (KL in the reward)."""
+    if token_rewards is None:
+        token_rewards = last_token_rewards(scores, mask)
+        if kl is not None and kl_coef:
+            token_rewards = token_rewards - kl_coef * kl * mask
     advantages = torch.zeros_like(token_rewards)
     next_value = torch.zeros(values.shape[0], dtype=values.dtype)
     running = torch.zeros_like(next_value)
