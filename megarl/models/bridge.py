@@ -205,28 +205,50 @@ class ModelBridge:
                 param.copy_(shard)
 
     # --------------------------------------------------------------------------------------------- export
+    def owner_rank(self, canonical: str) -> int | None:
+        """Global rank that yields this tensor in export_hf_weights (rank 0 of its TP / expert-TP group in data-parallel
+        replica 0), or None when this rank's replica does not export it."""
+        from megatron.core import parallel_state as ps
+
+        if is_expert_param(canonical):
+            if ps.get_expert_data_parallel_rank() != 0:
+                return None
+            return dist.get_global_rank(ps.get_expert_tensor_parallel_group(), 0)
+        if ps.get_data_parallel_rank(with_context_parallel=True) != 0:
+            return None
+        return dist.get_global_rank(ps.get_tensor_model_parallel_group(), 0)
+
+    def owner_ranks(self, chunks: list) -> list[int]:
+        """Every rank that owns at least one HF tensor (a collective; the same sorted list on all ranks)."""
+        mine = {self.owner_rank(self.canonical_name(m, n)) for m in chunks for n, _, _ in self._tensors(m)}
+        mine.discard(None)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(mine))
+        return sorted({r for ranks in everyone for r in ranks})
+
     @torch.no_grad()
-    def export_hf_weights(self, chunks: list, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_hf_weights(self, chunks: list, grads: bool = False,
+                          owner: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, full tensor) for the HF tensors this rank owns; every rank must iterate to the end.
 
         TP shards are all-gathered in the TP group (expert shards in the expert-TP group); the tensor is then owned
         by TP rank 0 of data-parallel replica 0. Pipeline stages and expert-parallel ranks export their own layers and
         experts, so each HF tensor is yielded on exactly one rank. grads=True exports gradients (main_grad under
-        Megatron DDP, after finalize_model_grads has reduced them) under the same names.
+        Megatron DDP, after finalize_model_grads has reduced them) under the same names. owner=R restricts the pass to
+        the tensors rank R owns (only R and its TP / expert-TP peers do any work), so owners can take turns.
         """
         from megatron.core import parallel_state as ps
 
-        dense_replica0 = ps.get_data_parallel_rank(with_context_parallel=True) == 0
-        expert_replica0 = ps.get_expert_data_parallel_rank() == 0
         for model in chunks:
             for local_name, param, value in self._tensors(model, grads):
                 canonical = self.canonical_name(model, local_name)
                 if self.tied and canonical == "output_layer.weight" and ps.get_pipeline_model_parallel_world_size() > 1:
                     continue  # the first stage's embedding is the one HF tensor
-                expert = is_expert_param(canonical)
-                if not (expert_replica0 if expert else dense_replica0):
+                owner_rank = self.owner_rank(canonical)
+                if owner_rank is None or (owner is not None and owner_rank != owner):
                     continue
-                size, rank = (self.etp, self.etp_rank) if expert else (self.tp, self.tp_rank)
+                expert = is_expert_param(canonical)
+                size = self.etp if expert else self.tp
                 group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
                 if size > 1 and getattr(param, "tensor_model_parallel", False):
                     parts = [torch.empty_like(value) for _ in range(size)]
@@ -234,7 +256,7 @@ class ModelBridge:
                     full = self.mb._weight_merge_across_tp(canonical, parts, param)
                 else:
                     full = value
-                if rank != 0:
+                if dist.get_rank() != owner_rank:
                     continue
                 names, tensors = self.mb._weight_to_hf_format(canonical, full)
                 for hf_name, tensor in zip(names, tensors):

@@ -1,0 +1,95 @@
+"""The reshard step: trainer (Megatron TP/PP/EP shards) -> HF tensors -> buckets -> rollout engine, then verify.
+
+    sync = WeightSync(bridge, chunks, transport, client_on_rank0, SyncConfig(bucket_bytes=512 << 20, verify_every=10))
+    sync.sync()          # a collective over all trainer ranks
+
+Owners push in turns (one owner at a time: the rank and its TP / expert-TP peers gather, the owner buckets and pushes,
+everyone else waits at a barrier), so a rank holds at most one bucket plus the tensor being converted and no push can
+deadlock against another rank's collective. Rank 0 opens and closes the engine's weight-update window.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .. import platform
+from ..rollout.client import EngineClient
+from .buckets import DEFAULT_BUCKET_BYTES, iter_buckets
+from .transports import DiskTransport
+from .verify import probe_sequences, verify_checksums, verify_probes
+
+
+@dataclass
+class SyncConfig:
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    verify_every: int = 10  # verify after the first sync and then every N syncs (0: only the first)
+    verify_checksums: bool = True
+    probe_atol: float | None = None  # None: 1e-3 for fp32 engines, 5e-2 otherwise
+    engine_dtype: torch.dtype | None = None  # None: float32 on CPU, bfloat16 on GPU
+
+
+class WeightSync:
+    def __init__(self, bridge, chunks: list, transport, client: EngineClient | None, cfg: SyncConfig | None = None):
+        self.bridge, self.chunks, self.transport, self.client = bridge, chunks, transport, client
+        self.cfg = cfg or SyncConfig()
+        self.dtype = self.cfg.engine_dtype or (torch.bfloat16 if platform.on_gpu() else torch.float32)
+        self.count = 0
+        self.owners = bridge.owner_ranks(chunks)
+        transport.setup(self.owners)
+        self.probes = probe_sequences(bridge.vocab_size)
+        self.last_stats: dict = {}
+
+    def sync(self, version: str | None = None) -> dict:
+        """Push the trainer's current weights into the engine; verify when due. Returns timing/size stats."""
+        version = version or f"megarl-{self.count + 1}"
+        rank = dist.get_rank()
+        start = time.perf_counter()
+        if rank == 0:
+            self.client.begin_weight_update()
+        dist.barrier()
+        pushed_bytes, buckets = 0, 0
+        try:
+            if isinstance(self.transport, DiskTransport):
+                self.transport.push_model(self.bridge, self.chunks, version)
+            else:
+                for owner in self.owners:
+                    stream = self.bridge.export_hf_weights(self.chunks, owner=owner)
+                    for bucket in iter_buckets(stream, self.cfg.bucket_bytes, self.dtype):
+                        self.transport.push(bucket, version)  # only the owner's stream yields buckets
+                        pushed_bytes += bucket.nbytes
+                        buckets += 1
+                    dist.barrier()
+        finally:
+            dist.barrier()
+            if rank == 0:
+                self.client.end_weight_update()
+                self.client.flush_cache()
+        self.count += 1
+        stats = {"sync_s": time.perf_counter() - start, "pushed_bytes": _sum(pushed_bytes),
+                 "buckets": int(_sum(buckets)), "version": version}
+        if self.count == 1 or (self.cfg.verify_every and self.count % self.cfg.verify_every == 1) \
+                or self.cfg.verify_every == 1:
+            stats.update(self.verify())
+        self.last_stats = stats
+        return stats
+
+    def verify(self) -> dict:
+        start = time.perf_counter()
+        checked = verify_checksums(self.bridge, self.chunks, self.client, self.dtype) \
+            if self.cfg.verify_checksums else 0
+        atol = self.cfg.probe_atol if self.cfg.probe_atol is not None else \
+            (1e-3 if self.dtype == torch.float32 else 5e-2)
+        diff = verify_probes(self.bridge, self.chunks, self.client, self.probes, atol)
+        return {"verified_tensors": checked, "probe_max_abs_diff": diff, "verify_s": time.perf_counter() - start}
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def _sum(value: float) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t)

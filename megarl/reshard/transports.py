@@ -1,0 +1,137 @@
+"""How buckets reach the rollout engine. One small class per transport; the sync loop (sync.py) decides who pushes
+when. Every push happens between the engine's begin_weight_update and end_weight_update.
+
+- TensorTransport (colocated): SGLang's flattened-bucket format, serialised with SGLang's MultiprocessingSerializer and
+  posted to /update_weights_from_tensor; the engine maps the shared memory (no copy through HTTP).
+- DistributedTransport (engines elsewhere): each owner rank forms a process group with the engine's ranks
+  (/init_weights_update_group; NCCL on GPU, gloo on CPU) and broadcasts each flattened bucket while the engine receives
+  it in /update_weights_from_distributed.
+- DiskTransport (fallback): the trainer writes an HF folder (ModelBridge.save_hf) and the engine reloads it with
+  /update_weights_from_disk.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+from .. import platform
+from ..parallel.env import free_port
+from ..rollout.client import EngineClient
+from ..rollout.server import EngineError
+from .buckets import Bucket, flatten
+
+
+class TensorTransport:
+    name = "tensor"
+
+    def __init__(self, client: EngineClient, engine_tp: int = 1):
+        self.client, self.engine_tp = client, engine_tp
+
+    def setup(self, owners: list[int]) -> None:
+        # SGLang on CPU: CPU tensors must be shared through files, or its scheduler rejects the handle.
+        if not platform.on_gpu():
+            torch.multiprocessing.set_sharing_strategy("file_system")
+
+    def push(self, bucket: Bucket, version: str) -> None:
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        flat, metadata = flatten(bucket)
+        payload = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata},
+                                                      output_str=True)
+        result = self.client.call("/update_weights_from_tensor", {
+            "serialized_named_tensors": [payload] * self.engine_tp, "load_format": "flattened_bucket",
+            "flush_cache": False, "weight_version": version})
+        _check(result, "/update_weights_from_tensor", bucket)
+
+    def close(self) -> None:
+        pass
+
+
+class DistributedTransport:
+    name = "distributed"
+
+    def __init__(self, client: EngineClient, engine_tp: int = 1, master_address: str = "127.0.0.1"):
+        self.client, self.engine_tp, self.master_address = client, engine_tp, master_address
+        self.group = None
+        self.group_name = None
+
+    def setup(self, owners: list[int]) -> None:
+        """Each owner rank gets its own group with the engine: owners push in turns without routing through rank 0."""
+        rank = dist.get_rank()
+        for owner in owners:  # the engine joins one group at a time, in the same order everywhere
+            if rank == owner:
+                self.group_name = f"megarl-owner-{owner}"
+                port = free_port()
+                box = {}
+                request = threading.Thread(target=self._call_into, args=(box, "/init_weights_update_group", {
+                    "master_address": self.master_address, "master_port": port, "rank_offset": 1,
+                    "world_size": 1 + self.engine_tp, "group_name": self.group_name,
+                    "backend": platform.distributed_backend()}))
+                request.start()
+                from sglang.srt.utils.common import init_custom_process_group
+
+                self.group = init_custom_process_group(
+                    backend=platform.distributed_backend(), init_method=f"tcp://{self.master_address}:{port}",
+                    world_size=1 + self.engine_tp, rank=0, group_name=self.group_name)
+                request.join()
+                _check(box.get("result"), "/init_weights_update_group", None, box.get("error"))
+            dist.barrier()
+
+    def _call_into(self, box, path, payload):
+        try:
+            box["result"] = self.client.call(path, payload)
+        except Exception as e:  # noqa: BLE001 - reported by the caller thread
+            box["error"] = e
+
+    def push(self, bucket: Bucket, version: str) -> None:
+        flat, _ = flatten(bucket)
+        box = {}
+        request = threading.Thread(target=self._call_into, args=(box, "/update_weights_from_distributed", {
+            "names": bucket.names, "dtypes": [str(t.dtype).replace("torch.", "") for t in bucket.tensors],
+            "shapes": [list(t.shape) for t in bucket.tensors], "group_name": self.group_name,
+            "load_format": "flattened_bucket", "flush_cache": False, "weight_version": version}))
+        request.start()
+        dist.broadcast(flat, src=0, group=self.group)
+        request.join()
+        _check(box.get("result"), "/update_weights_from_distributed", bucket, box.get("error"))
+
+    def close(self) -> None:
+        if self.group is not None:
+            try:
+                self.client.call("/destroy_weights_update_group", {"group_name": self.group_name})
+            finally:
+                dist.destroy_process_group(self.group)
+                self.group = None
+
+
+class DiskTransport:
+    """Whole-model fallback: not bucketed; ModelBridge.save_hf writes one shard per owner rank."""
+    name = "disk"
+
+    def __init__(self, client: EngineClient, folder: str):
+        self.client, self.folder = client, folder
+
+    def setup(self, owners: list[int]) -> None:
+        pass
+
+    def push_model(self, bridge, chunks, version: str) -> None:
+        bridge.save_hf(chunks, self.folder)
+        if dist.get_rank() == 0:
+            result = self.client.call("/update_weights_from_disk", {"model_path": os.path.abspath(self.folder),
+                                                                   "weight_version": version})
+            _check(result, "/update_weights_from_disk", None)
+        dist.barrier()
+
+    def close(self) -> None:
+        pass
+
+
+def _check(result, path: str, bucket: Bucket | None, error: Exception | None = None) -> None:
+    if error is not None:
+        raise error
+    if isinstance(result, dict) and result.get("success") is False:
+        where = f" (bucket starting at {bucket.names[0]}, {len(bucket.names)} tensors)" if bucket else ""
+        raise EngineError(f"SGLang {path} failed{where}: {result.get('message')}")

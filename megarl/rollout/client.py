@@ -1,0 +1,157 @@
+"""HTTP client for one SGLang server: batched token-in/token-out generation with log-probs, weight-update calls.
+
+Pooled connections; transient failures (connection refused/reset, timeouts, HTTP 5xx) are retried with exponential
+back-off; HTTP 4xx is never retried (it is the request's fault, and the error quotes SGLang's answer). When the client
+owns the server process and finds it dead, it restarts it (at most `max_restarts` times) instead of hanging.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+from requests.adapters import HTTPAdapter
+
+from .server import EngineError, SGLangServer
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_log_probs: list[float]  # log-prob of each output token under the engine's sampling distribution
+    finish_reason: str  # "length" | "stop" | "abort"
+    weight_version: str | None
+    input_log_probs: list[float] | None = None  # with logprob_start_len=0: log p(prompt[t] | prompt[:t]), t >= 1
+
+
+class EngineClient:
+    def __init__(self, url: str | None = None, server: SGLangServer | None = None, timeout_s: float = 600.0,
+                 retries: int = 4, backoff_s: float = 0.5, max_restarts: int = 2):
+        if url is None and server is None:
+            raise ValueError("EngineClient needs a url or a server")
+        self.server = server
+        self.url = url or server.url
+        self.timeout_s, self.retries, self.backoff_s, self.max_restarts = timeout_s, retries, backoff_s, max_restarts
+        self.session = requests.Session()
+        self.session.mount("http://", HTTPAdapter(pool_connections=4, pool_maxsize=32))
+
+    # ------------------------------------------------------------------------------------------------ transport
+    def call(self, path: str, payload: dict | None = None, method: str = "POST", timeout_s: float | None = None):
+        last_error = None
+        for attempt in range(self.retries + 1):
+            try:
+                response = self.session.request(method, self.url + path, json=payload,
+                                                timeout=timeout_s or self.timeout_s)
+            except (requests.ConnectionError, requests.Timeout) as e:
+                last_error = f"{type(e).__name__}: {e}"
+                self._recover_or_raise(path, last_error)
+            else:
+                if response.status_code < 400:
+                    return _body(response)
+                if response.status_code < 500:
+                    raise EngineError(f"SGLang rejected {path} (HTTP {response.status_code}): {response.text[:2000]}")
+                last_error = f"HTTP {response.status_code}: {response.text[:500]}"
+            if attempt < self.retries:
+                time.sleep(self.backoff_s * 2 ** attempt)
+        raise EngineError(f"{path} failed after {self.retries + 1} attempts: {last_error}" + self._log_hint())
+
+    def _recover_or_raise(self, path: str, error: str) -> None:
+        if self.server is None or self.server.alive():
+            return  # transient: retry
+        if self.server.restarts >= self.max_restarts:
+            raise EngineError(f"SGLang server died during {path} ({error}) and was already restarted "
+                              f"{self.server.restarts} times (cap {self.max_restarts})." + self._log_hint())
+        self.server.restart()
+
+    def _log_hint(self) -> str:
+        return f"\nSGLang log tail ({self.server.log_path}):\n{self.server.log_tail()}" if self.server else ""
+
+    # ----------------------------------------------------------------------------------------------- generation
+    def generate(self, prompts: list[list[int]], sampling_params: dict[str, Any], return_logprob: bool = True,
+                 logprob_start_len: int | None = None) -> list[Completion]:
+        """One batched /generate; token ids in, token ids and per-token log-probs out."""
+        payload = {"input_ids": prompts, "sampling_params": sampling_params, "return_logprob": return_logprob}
+        if logprob_start_len is not None:
+            payload["logprob_start_len"] = logprob_start_len
+        outputs = self.call("/generate", payload)
+        if isinstance(outputs, dict):
+            outputs = [outputs]
+        completions = []
+        for prompt, out in zip(prompts, outputs):
+            meta = out["meta_info"]
+            finish = meta.get("finish_reason") or {}
+            input_lp = None
+            if logprob_start_len is not None and meta.get("input_token_logprobs"):
+                input_lp = [x[0] for x in meta["input_token_logprobs"] if x[0] is not None]
+            completions.append(Completion(
+                prompt_ids=list(prompt), output_ids=list(out.get("output_ids") or []),
+                output_log_probs=[x[0] for x in meta.get("output_token_logprobs") or []],
+                finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish),
+                weight_version=meta.get("weight_version"), input_log_probs=input_lp))
+        return completions
+
+    def prompt_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(seq[t] | seq[:t]) for t >= 1 of each sequence, as the engine computes them (probe sequences)."""
+        completions = self.generate(sequences, {"max_new_tokens": 1, "temperature": 0.0}, return_logprob=True,
+                                    logprob_start_len=0)
+        return [c.input_log_probs for c in completions]
+
+    # --------------------------------------------------------------------------------------------- control
+    def health(self) -> bool:
+        try:
+            return self.session.get(self.url + "/health", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def flush_cache(self):
+        return self.call("/flush_cache", None)
+
+    def pause(self, mode: str = "retract"):
+        return self.call("/pause_generation", {"mode": mode})
+
+    def resume(self):
+        return self.call("/continue_generation", {})
+
+    def abort_all(self):
+        return self.call("/abort_request", {"abort_all": True})
+
+    def begin_weight_update(self):
+        return self.call("/begin_weight_update", {})
+
+    def end_weight_update(self):
+        return self.call("/end_weight_update", {})
+
+    def weight_checksums(self) -> dict[str, str]:
+        """SGLang's per-tensor checksums (its own parameter names), from /weights_checker."""
+        body = self.call("/weights_checker", {"action": "checksum"})
+        checksums: dict[str, str] = {}
+        for rank_info in body.get("ranks") or []:  # one entry per engine TP rank (its own shard of each tensor)
+            checksums.update(rank_info.get("checksums") or {})
+        return checksums
+
+    def release_memory(self):
+        """Release KV cache and weights memory on GPU; SGLang needs a GPU for it, so on CPU this is a no-op."""
+        from .. import platform
+
+        if platform.on_gpu():
+            return self.call("/release_memory_occupation", {})
+        return None
+
+    def resume_memory(self):
+        from .. import platform
+
+        if platform.on_gpu():
+            return self.call("/resume_memory_occupation", {})
+        return None
+
+
+def _body(response):
+    """JSON when the endpoint answers JSON (most do), else the text (e.g. /flush_cache)."""
+    if not response.content:
+        return None
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
