@@ -150,3 +150,64 @@ def rl_train_step(path: str, layout: dict, global_batch, cfg, num_microbatches: 
     metrics = train_step(model, optimizer, local, num_microbatches, cfg, bridge.vocab_size)
     return {"weights": dict(bridge.export_hf_weights(chunks)), "metrics": metrics, "log_probs": log_probs,
             "rows": (dp_rank * per_rank, (dp_rank + 1) * per_rank)}
+
+
+def perturb(chunks, seed: int, scale: float = 0.02) -> None:
+    """Change the trainer's weights the same way on every rank (TP replicas stay identical)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for chunk in chunks:
+            for p in chunk.parameters():
+                p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+def trainer_log_probs(bridge, chunks, sequences):
+    """log p(seq[t] | seq[:t]) under the trainer for equal-length sequences, on every rank."""
+    import torch.distributed as dist
+
+    from megarl.models import forward_logits
+
+    ids = torch.tensor(sequences)
+    logits = forward_logits(chunks, [ids], vocab_size=bridge.vocab_size)
+    mine = None if logits is None else torch.log_softmax(logits[0], -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return next(x for x in everyone if x is not None)
+
+
+def sync_and_compare(path, url, layout, transport, seed, corrupt=None):
+    """Perturb the trainer, sync into the engine, and return the engine's and trainer's log-probs of the engine's own
+    sampled tokens, plus the engine's probe log-probs before and after the sync."""
+    import torch.distributed as dist
+
+    from megarl.reshard import TRANSPORTS, SyncConfig, WeightSync
+    from megarl.rollout import EngineClient
+
+    ps, bridge, chunks = build(path, **layout)
+    perturb(chunks, seed)
+    client = EngineClient(url)
+    fixed = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27]]
+    before = client.prompt_log_probs(fixed) if dist.get_rank() == 0 else None
+    transport = TRANSPORTS[transport](client, f"{path}-disk-sync") if transport == "disk" else TRANSPORTS[transport](client)
+    if corrupt is not None:
+        transport = corrupt(transport)
+    sync = WeightSync(bridge, chunks, transport, client if dist.get_rank() == 0 else None,
+                      SyncConfig(bucket_bytes=256 << 10))
+    try:
+        stats = sync.sync()
+    finally:
+        sync.close()
+    result = {"stats": stats}
+    if dist.get_rank() == 0:
+        result["before"] = before
+        result["after"] = client.prompt_log_probs(fixed)
+        completions = client.generate([[5, 6, 7], [30, 31, 32]], {"max_new_tokens": 6, "temperature": 1.0})
+        result["engine"] = [c.output_log_probs for c in completions]
+        result["sequences"] = [c.prompt_ids + c.output_ids for c in completions]
+    sequences = [None]
+    if dist.get_rank() == 0:
+        sequences = [result["sequences"]]
+    dist.broadcast_object_list(sequences, src=0)
+    trainer = trainer_log_probs(bridge, chunks, sequences[0])
+    result["trainer"] = [row[2:].tolist() for row in trainer]  # the 6 generated tokens (after a 3-token prompt)
+    return result

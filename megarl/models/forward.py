@@ -35,6 +35,11 @@ def forward_logits(chunks: list, micro_batches: list[torch.Tensor], vocab_size: 
 
         return output, keep_logits
 
+    # Sequence parallelism splits the sequence over TP ranks: right-pad to a multiple of TP (causal attention keeps
+    # the real positions unaffected) and cut the padding off the logits again.
+    tp = ps.get_tensor_model_parallel_world_size()
+    lengths = [b.shape[1] for b in micro_batches]
+    micro_batches = [torch.nn.functional.pad(b, (0, -b.shape[1] % tp)) for b in micro_batches]
     seq_length = micro_batches[0].shape[1]
     iterators = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
     for chunk in chunks:
@@ -45,4 +50,4 @@ def forward_logits(chunks: list, micro_batches: list[torch.Tensor], vocab_size: 
         forward_only=True)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    return [r["logits"] for r in results]
+    return [r["logits"][:, :n] for r, n in zip(results, lengths)]

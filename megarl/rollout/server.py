@@ -18,6 +18,7 @@ from .. import platform
 from ..parallel.env import free_port
 
 CPU_STANDINS = os.path.join(os.path.dirname(platform.__file__), "sglang_cpu")
+_FATAL_MARKERS = ("Received sigquit from a child process",)
 
 
 class EngineError(RuntimeError):
@@ -51,6 +52,9 @@ def server_command(cfg: ServerConfig, port: int) -> tuple[list[str], dict]:
     if cfg.mem_fraction_static:
         cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
     env = dict(os.environ)
+    # megarl never downloads at run time: a missing local model must fail at once, not after hub time-outs.
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
     if not on_gpu:
         cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
         env["SGLANG_USE_CPU_ENGINE"] = "1"
@@ -86,12 +90,18 @@ class SGLangServer:
             if self.process.poll() is not None:
                 raise EngineError(f"SGLang server exited with code {self.process.returncode} during start-up "
                                   f"(model {self.cfg.model_path!r}). Its log ({self.log_path}) ends with:\n"
-                                  f"{self.log_tail()}")
+                                  f"{self.log_tail(lines=40)}")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     return
             except requests.RequestException:
                 pass
+            if any(marker in self.log_tail(lines=10) for marker in _FATAL_MARKERS):
+                # SGLang's launcher can stay alive after a child process failed: do not wait for the timeout.
+                tail = self.log_tail(lines=40)
+                self.stop()
+                raise EngineError(f"SGLang server failed during start-up (model {self.cfg.model_path!r}). Its log "
+                                  f"({self.log_path}) ends with:\n{tail}")
             time.sleep(0.5)
         self.stop()
         raise EngineError(f"SGLang server not healthy after {self.cfg.startup_timeout_s:.0f}s. Log tail:\n"
