@@ -7,16 +7,14 @@ import time
 
 import pytest
 
-from megarl.rollout import EngineClient, EngineError, EngineRouter, ServerConfig, SGLangServer
-from megarl.testing import tiny_model_dir
+from megarl.rollout import EngineClient, EngineError, EngineRouter
+from megarl.testing.engines import tiny_engine
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = SGLangServer(ServerConfig(model_path=tiny_model_dir("qwen2"),
-                                    log_dir=str(tmp_path_factory.mktemp("engine-faults")))).start()
-    yield srv
-    srv.stop()
+    with tiny_engine("qwen2", str(tmp_path_factory.mktemp("engine-faults"))) as server:
+        yield server
 
 
 def test_router_splits_and_keeps_order(server):

@@ -3,17 +3,15 @@ import pytest
 import torch
 
 import ranks
-from megarl.reshard import WeightMismatchError
 from megarl.rollout import EngineClient, EngineError, ServerConfig, SGLangServer
 from megarl.testing import RankFailure, run_ranks, tiny_model_dir
+from megarl.testing.engines import tiny_engine
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    server = SGLangServer(ServerConfig(model_path=tiny_model_dir("qwen2"),
-                                       log_dir=str(tmp_path_factory.mktemp("engine")))).start()
-    yield server
-    server.stop()
+    with tiny_engine("qwen2", str(tmp_path_factory.mktemp("engine"))) as server:
+        yield server
 
 
 CASES = [("tp2", {"tp": 2}, 2, "tensor"), ("tp2", {"tp": 2}, 2, "distributed"), ("pp2", {"pp": 2}, 2, "tensor"),

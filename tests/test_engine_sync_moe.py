@@ -3,16 +3,14 @@ import pytest
 import torch
 
 import ranks
-from megarl.rollout import ServerConfig, SGLangServer
 from megarl.testing import run_ranks, tiny_model_dir
+from megarl.testing.engines import tiny_engine
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    server = SGLangServer(ServerConfig(model_path=tiny_model_dir("qwen3_moe"),
-                                       log_dir=str(tmp_path_factory.mktemp("engine-moe")))).start()
-    yield server
-    server.stop()
+    with tiny_engine("qwen3_moe", str(tmp_path_factory.mktemp("engine-moe"))) as server:
+        yield server
 
 
 @pytest.mark.parametrize("layout,world,transport", [({"ep": 2}, 2, "tensor"), ({"ep": 2}, 2, "distributed"),

@@ -6,6 +6,7 @@ owns the server process and finds it dead, it restarts it (at most `max_restarts
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,8 @@ import requests
 from requests.adapters import HTTPAdapter
 
 from .server import EngineError, SGLangServer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -132,18 +135,19 @@ class EngineClient:
         return checksums
 
     def release_memory(self):
-        """Release KV cache and weights memory on GPU; SGLang needs a GPU for it, so on CPU this is a no-op."""
-        from .. import platform
-
-        if platform.on_gpu():
-            return self.call("/release_memory_occupation", {})
-        return None
+        """Release KV cache and weights memory around training (GPU). SGLang needs a GPU for it: on CPU, a logged
+        no-op."""
+        return self._memory_call("/release_memory_occupation")
 
     def resume_memory(self):
+        return self._memory_call("/resume_memory_occupation")
+
+    def _memory_call(self, path: str):
         from .. import platform
 
         if platform.on_gpu():
-            return self.call("/resume_memory_occupation", {})
+            return self.call(path, {})
+        logger.info("%s skipped: SGLang releases memory only on GPU (CPU run)", path)
         return None
 
 

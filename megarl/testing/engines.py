@@ -1,0 +1,16 @@
+"""A real SGLang server on a tiny local model, for tests (started and always stopped)."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from ..rollout import ServerConfig, SGLangServer
+from .models import tiny_model_dir
+
+
+@contextmanager
+def tiny_engine(family: str, log_dir: str):
+    server = SGLangServer(ServerConfig(model_path=tiny_model_dir(family), log_dir=log_dir)).start()
+    try:
+        yield server
+    finally:
+        server.stop()
