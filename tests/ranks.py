@@ -211,3 +211,44 @@ def sync_and_compare(path, url, layout, transport, seed, corrupt=None):
     trainer = trainer_log_probs(bridge, chunks, sequences[0])
     result["trainer"] = [row[2:].tolist() for row in trainer]  # the 6 generated tokens (after a 3-token prompt)
     return result
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def sync_peak_memory(path, url, layout, bucket_bytes):
+    """Extra resident memory (peak minus start) of one sync on each rank, after a first warm-up sync."""
+    import gc
+
+    import torch.distributed as dist
+
+    from megarl.reshard import SyncConfig, TensorTransport, WeightSync
+    from megarl.rollout import EngineClient
+
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD fixed at 64 KiB: large blocks are mmapped and returned on free,
+    libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD 0: so the resident set follows what is really alive
+    ps, bridge, chunks = build(path, **layout)
+    client = EngineClient(url)
+    sync = WeightSync(bridge, chunks, TensorTransport(client), client if dist.get_rank() == 0 else None,
+                      SyncConfig(bucket_bytes=bucket_bytes))
+    perturb(chunks, 1)
+    sync.sync(verify=True)  # warm-up: imports, connections, the bucket buffer
+    perturb(chunks, 2)
+    gc.collect()
+    libc.malloc_trim(0)
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset this process's peak resident set (VmHWM)
+    start_kb = _status_kb("VmRSS")
+    stats = sync.sync(verify=False)
+    extra = (_status_kb("VmHWM") - start_kb) * 1024
+    probe = sync.verify()  # the measured sync really moved the weights
+    sync.close()
+    buffer = sync.packer._buffer  # resident since the warm-up sync: counted on top of the measured peak
+    return {"extra_bytes": extra, "buffer_bytes": 0 if buffer is None else buffer.numel(), "buckets": stats["buckets"],
+            "probe_max_abs_diff": probe["probe_max_abs_diff"]}

@@ -43,10 +43,8 @@ class _ZeroSliceOf:
         return getattr(self.inner, attr)
 
     def push(self, bucket, version):
-        for i, n in enumerate(bucket.names):
-            if n == self.name:
-                bucket.tensors[i] = bucket.tensors[i].clone()
-                bucket.tensors[i][:8] = 0
+        if self.name in bucket.names:
+            bucket.tensor(self.name)[:8] = 0
         return self.inner.push(bucket, version)
 
 

@@ -227,8 +227,8 @@ class ModelBridge:
         return sorted({r for ranks in everyone for r in ranks})
 
     @torch.no_grad()
-    def export_hf_weights(self, chunks: list, grads: bool = False,
-                          owner: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_hf_weights(self, chunks: list, grads: bool = False, owner: int | None = None,
+                          copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, full tensor) for the HF tensors this rank owns; every rank must iterate to the end.
 
         TP shards are all-gathered in the TP group (expert shards in the expert-TP group); the tensor is then owned
@@ -236,6 +236,8 @@ class ModelBridge:
         experts, so each HF tensor is yielded on exactly one rank. grads=True exports gradients (main_grad under
         Megatron DDP, after finalize_model_grads has reduced them) under the same names. owner=R restricts the pass to
         the tensors rank R owns (only R and its TP / expert-TP peers do any work), so owners can take turns.
+        copy=False lets the yielded tensors alias the live parameters (the reshard step copies them into its buckets
+        at once); the default copies.
         """
         from megatron.core import parallel_state as ps
 
@@ -250,17 +252,24 @@ class ModelBridge:
                 expert = is_expert_param(canonical)
                 size = self.etp if expert else self.tp
                 group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
-                if size > 1 and getattr(param, "tensor_model_parallel", False):
-                    parts = [torch.empty_like(value) for _ in range(size)]
-                    dist.all_gather(parts, value.contiguous(), group=group)
+                is_owner = dist.get_rank() == owner_rank
+                gathered = size > 1 and getattr(param, "tensor_model_parallel", False)
+                if gathered:  # only the owner receives (and merges) the shards
+                    parts = [torch.empty_like(value) for _ in range(size)] if is_owner else None
+                    dist.gather(value.contiguous(), gather_list=parts, dst=owner_rank, group=group)
+                    if not is_owner:
+                        continue
                     full = self.mb._weight_merge_across_tp(canonical, parts, param)
+                    del parts
                 else:
                     full = value
-                if dist.get_rank() != owner_rank:
+                if not is_owner:
                     continue
                 names, tensors = self.mb._weight_to_hf_format(canonical, full)
+                del full
                 for hf_name, tensor in zip(names, tensors):
-                    yield hf_name, tensor.detach().clone()
+                    # a merged tensor is already a fresh copy; an ungathered one is the live parameter
+                    yield hf_name, tensor.detach().clone() if copy and not gathered else tensor.detach()
 
     # ----------------------------------------------------------------------------------------------- save
     def save_hf(self, chunks: list, out_dir: str) -> None:

@@ -1,10 +1,12 @@
 """Megatron shards -> HF-named tensors -> bounded buckets, on the ranks that own them.
 
-ModelBridge.export_hf_weights already does the 3D part: TP (and expert-TP) shards are all-gathered inside their group
+ModelBridge.export_hf_weights does the 3D part: TP (and expert-TP) shards are gathered to the owner inside their group
 with the QKV / gate-up / vocabulary-padding layout handled by mbridge's rules, pipeline stages convert their own layers
 under global layer indices, and expert-parallel ranks their own experts under global expert indices; every HF tensor
-appears on exactly one owner rank. Here those tensors are grouped into buckets of at most `bucket_bytes` (a tensor
-larger than that travels alone), so a rank holds at most one bucket plus the tensor being converted.
+appears on exactly one owner rank. Here those tensors are packed into one reusable flat byte buffer of `bucket_bytes`
+(in shared memory for the colocated transport, so handing it to SGLang copies nothing), in SGLang's flattened-bucket
+layout. A tensor larger than the buffer travels alone as a view of itself. So a rank holds one bucket buffer plus the
+tensor being converted.
 """
 from __future__ import annotations
 
@@ -14,43 +16,69 @@ from typing import Iterator
 import torch
 
 DEFAULT_BUCKET_BYTES = 512 << 20
+_ALIGN = 16
 
 
 @dataclass
-class Bucket:
-    names: list[str]
-    tensors: list[torch.Tensor]
+class FlatBucket:
+    flat: torch.Tensor  # uint8, the bucket's bytes (a view of the reusable buffer, or of one large tensor)
+    metadata: list  # sglang FlattenedTensorMetadata per tensor (name, shape, dtype, byte range)
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.metadata]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        return self.flat.numel()
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A typed, writable view of one tensor inside the bucket."""
+        m = next(m for m in self.metadata if m.name == name)
+        return self.flat[m.start_idx:m.end_idx].view(m.dtype).view(m.shape)
 
 
-def iter_buckets(named_tensors, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 dtype: torch.dtype | None = None) -> Iterator[Bucket]:
-    """Group a stream of (name, tensor) into buckets of at most bucket_bytes (optionally cast to dtype)."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"reshard.bucket_bytes must be > 0, got {bucket_bytes}")
-    names, tensors, size = [], [], 0
-    for name, tensor in named_tensors:
-        tensor = tensor.detach()
-        if dtype is not None and tensor.dtype != dtype:
-            tensor = tensor.to(dtype)
-        nbytes = tensor.numel() * tensor.element_size()
-        if names and size + nbytes > bucket_bytes:
-            yield Bucket(names, tensors)
-            names, tensors, size = [], [], 0
-        names.append(name)
-        tensors.append(tensor.contiguous())
-        size += nbytes
-    if names:
-        yield Bucket(names, tensors)
+class BucketPacker:
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, shared_memory: bool = False):
+        if bucket_bytes <= 0:
+            raise ValueError(f"reshard.bucket_bytes must be > 0, got {bucket_bytes}")
+        self.bucket_bytes, self.shared_memory = bucket_bytes, shared_memory
+        self._buffer: torch.Tensor | None = None
 
+    def buffer(self) -> torch.Tensor:
+        if self._buffer is None:  # allocated on first use, reused for every bucket of every sync
+            self._buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8)
+            if self.shared_memory:
+                self._buffer.share_memory_()
+        return self._buffer
 
-def flatten(bucket: Bucket) -> tuple[torch.Tensor, list[dict]]:
-    """One contiguous byte buffer plus the metadata SGLang's FlattenedTensorBucket format carries (name, shape,
-    dtype, byte range). Built with SGLang's own class so the engine reads exactly what it expects."""
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    def pack(self, named_tensors, dtype: torch.dtype | None = None) -> Iterator[FlatBucket]:
+        """Buckets of at most bucket_bytes from a stream of (name, tensor). A yielded bucket is valid until the
+        consumer asks for the next one (the buffer is then reused)."""
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
-    flat = FlattenedTensorBucket(named_tensors=list(zip(bucket.names, bucket.tensors)))
-    return flat.get_flattened_tensor(), flat.get_metadata()
+        metadata, used = [], 0
+        for name, tensor in named_tensors:
+            if dtype is not None and tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            nbytes = tensor.numel() * tensor.element_size()
+            if nbytes > self.bucket_bytes:  # travels alone, without a copy into the buffer
+                if metadata:
+                    yield FlatBucket(self.buffer()[:used], metadata)
+                    metadata, used = [], 0
+                flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+                yield FlatBucket(flat, [FlattenedTensorMetadata(name=name, shape=tensor.shape, dtype=tensor.dtype,
+                                                                start_idx=0, end_idx=nbytes, numel=nbytes)])
+                continue
+            used = -(-used // _ALIGN) * _ALIGN  # every tensor starts aligned for its dtype
+            if used + nbytes > self.bucket_bytes:
+                yield FlatBucket(self.buffer()[:used], metadata)
+                metadata, used = [], 0
+            target = self.buffer()[used:used + nbytes].view(tensor.dtype).view(tensor.shape)
+            target.copy_(tensor)
+            metadata.append(FlattenedTensorMetadata(name=name, shape=tensor.shape, dtype=tensor.dtype,
+                                                    start_idx=used, end_idx=used + nbytes, numel=nbytes))
+            used += nbytes
+            del tensor
+        if metadata:
+            yield FlatBucket(self.buffer()[:used], metadata)

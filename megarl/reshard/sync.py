@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .. import platform
 from ..rollout.client import EngineClient
-from .buckets import DEFAULT_BUCKET_BYTES, iter_buckets
+from .buckets import DEFAULT_BUCKET_BYTES, BucketPacker
 from .transports import DiskTransport
 from .verify import probe_sequences, verify_checksums, verify_probes
 
@@ -40,10 +40,12 @@ class WeightSync:
         self.owners = bridge.owner_ranks(chunks)
         transport.setup(self.owners)
         self.probes = probe_sequences(bridge.vocab_size)
+        self.packer = BucketPacker(self.cfg.bucket_bytes, shared_memory=getattr(transport, "shared_memory", False))
         self.last_stats: dict = {}
 
-    def sync(self, version: str | None = None) -> dict:
-        """Push the trainer's current weights into the engine; verify when due. Returns timing/size stats."""
+    def sync(self, version: str | None = None, verify: bool | None = None) -> dict:
+        """Push the trainer's current weights into the engine; verify when due (or as `verify` says). Returns
+        timing/size stats."""
         version = version or f"megarl-{self.count + 1}"
         rank = dist.get_rank()
         start = time.perf_counter()
@@ -56,8 +58,8 @@ class WeightSync:
                 self.transport.push_model(self.bridge, self.chunks, version)
             else:
                 for owner in self.owners:
-                    stream = self.bridge.export_hf_weights(self.chunks, owner=owner)
-                    for bucket in iter_buckets(stream, self.cfg.bucket_bytes, self.dtype):
+                    stream = self.bridge.export_hf_weights(self.chunks, owner=owner, copy=False)
+                    for bucket in self.packer.pack(stream, self.dtype):
                         self.transport.push(bucket, version)  # only the owner's stream yields buckets
                         pushed_bytes += bucket.nbytes
                         buckets += 1
@@ -70,8 +72,9 @@ class WeightSync:
         self.count += 1
         stats = {"sync_s": time.perf_counter() - start, "pushed_bytes": _sum(pushed_bytes),
                  "buckets": int(_sum(buckets)), "version": version}
-        if self.count == 1 or (self.cfg.verify_every and self.count % self.cfg.verify_every == 1) \
-                or self.cfg.verify_every == 1:
+        due = self.count == 1 or self.cfg.verify_every == 1 or \
+            (self.cfg.verify_every and self.count % self.cfg.verify_every == 1)
+        if verify if verify is not None else due:
             stats.update(self.verify())
         self.last_stats = stats
         return stats

@@ -21,7 +21,7 @@ from .. import platform
 from ..parallel.env import free_port
 from ..rollout.client import EngineClient
 from ..rollout.server import EngineError
-from .buckets import Bucket, flatten
+from .buckets import FlatBucket
 
 
 class TensorTransport:
@@ -35,11 +35,12 @@ class TensorTransport:
         if not platform.on_gpu():
             torch.multiprocessing.set_sharing_strategy("file_system")
 
-    def push(self, bucket: Bucket, version: str) -> None:
+    shared_memory = True  # the bucket buffer lives in shared memory: SGLang maps it, nothing is copied
+
+    def push(self, bucket: FlatBucket, version: str) -> None:
         from sglang.srt.utils import MultiprocessingSerializer
 
-        flat, metadata = flatten(bucket)
-        payload = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata},
+        payload = MultiprocessingSerializer.serialize({"flattened_tensor": bucket.flat, "metadata": bucket.metadata},
                                                       output_str=True)
         result = self.client.call("/update_weights_from_tensor", {
             "serialized_named_tensors": [payload] * self.engine_tp, "load_format": "flattened_bucket",
@@ -86,15 +87,16 @@ class DistributedTransport:
         except Exception as e:  # noqa: BLE001 - reported by the caller thread
             box["error"] = e
 
-    def push(self, bucket: Bucket, version: str) -> None:
-        flat, _ = flatten(bucket)
+    shared_memory = False
+
+    def push(self, bucket: FlatBucket, version: str) -> None:
         box = {}
         request = threading.Thread(target=self._call_into, args=(box, "/update_weights_from_distributed", {
-            "names": bucket.names, "dtypes": [str(t.dtype).replace("torch.", "") for t in bucket.tensors],
-            "shapes": [list(t.shape) for t in bucket.tensors], "group_name": self.group_name,
+            "names": bucket.names, "dtypes": [str(m.dtype).replace("torch.", "") for m in bucket.metadata],
+            "shapes": [list(m.shape) for m in bucket.metadata], "group_name": self.group_name,
             "load_format": "flattened_bucket", "flush_cache": False, "weight_version": version}))
         request.start()
-        dist.broadcast(flat, src=0, group=self.group)
+        dist.broadcast(bucket.flat, src=0, group=self.group)
         request.join()
         _check(box.get("result"), "/update_weights_from_distributed", bucket, box.get("error"))
 
@@ -129,7 +131,7 @@ class DiskTransport:
         pass
 
 
-def _check(result, path: str, bucket: Bucket | None, error: Exception | None = None) -> None:
+def _check(result, path: str, bucket: FlatBucket | None, error: Exception | None = None) -> None:
     if error is not None:
         raise error
     if isinstance(result, dict) and result.get("success") is False:
