@@ -74,7 +74,7 @@ class WeightSync:
                  "buckets": int(_sum(buckets)), "version": version}
         due = self.count == 1 or self.cfg.verify_every == 1 or \
             (self.cfg.verify_every and self.count % self.cfg.verify_every == 1)
-        if verify if verify is not None else due:
+        if due if verify is None else verify:
             stats.update(self.verify())
         self.last_stats = stats
         return stats
