@@ -203,6 +203,7 @@ def sync_and_compare(path, url, layout, transport, seed, corrupt=None):
         result["after"] = client.prompt_log_probs(fixed)
         completions = client.generate([[5, 6, 7], [30, 31, 32]], {"max_new_tokens": 6, "temperature": 1.0})
         result["engine"] = [c.output_log_probs for c in completions]
+        result["weight_versions"] = [c.weight_version for c in completions]
         result["sequences"] = [c.prompt_ids + c.output_ids for c in completions]
     sequences = [None]
     if dist.get_rank() == 0:

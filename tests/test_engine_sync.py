@@ -29,6 +29,7 @@ def test_sync_makes_engine_match_trainer(engine, name, layout, world, transport)
     before, after = torch.tensor(r["before"]), torch.tensor(r["after"])
     assert (before - after).abs().max() > 1e-2  # the sync really changed the engine
     assert r["stats"]["verified_tensors"] > 20 and r["stats"]["probe_max_abs_diff"] < 1e-3
+    assert r["weight_versions"] == [r["stats"]["version"]] * 2  # completions are tagged with the synced version
     if transport != "disk":
         assert r["stats"]["buckets"] >= 2  # 256 KiB buckets: the model went over in several
 
