@@ -113,15 +113,22 @@ def forward_backward(bridge, model: list, micro_batches: int):
     return [x["loss"] for x in losses] if losses else None
 
 
+def dp_share(global_batch):
+    """This data-parallel rank's contiguous share of the global batch, and its (first, end) row range."""
+    from megatron.core import parallel_state as ps
+
+    per_rank = global_batch.input_ids.shape[0] // ps.get_data_parallel_world_size()
+    first = ps.get_data_parallel_rank() * per_rank
+    return global_batch.rows(slice(first, first + per_rank)), (first, first + per_rank)
+
+
 def rl_grads(path: str, layout: dict, global_batch, cfg, num_microbatches: int, objective: str = "rl") -> dict:
     """HF-named gradients and global metrics of one RL batch through megarl's loss + Megatron's schedule."""
     from megarl.losses import forward_backward, prepare_global_batch, reduce_metrics
 
     ps, bridge, chunks = build(path, **layout)
     model = wrap_ddp(chunks)
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    per_rank = global_batch.input_ids.shape[0] // dp
-    local = global_batch.rows(slice(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+    local, rows = dp_share(global_batch)
     local = prepare_global_batch(local, cfg.aggregation, cfg.norm_length, dp_group=ps.get_data_parallel_group())
     for m in model:
         m.zero_grad_buffer()
@@ -142,14 +149,12 @@ def rl_train_step(path: str, layout: dict, global_batch, cfg, num_microbatches: 
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="sgd", lr=0.5, sgd_momentum=0.0, clip_grad=0.05,
                         params_dtype=torch.float32), model)
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    per_rank = global_batch.input_ids.shape[0] // dp
-    local = global_batch.rows(slice(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+    local, rows = dp_share(global_batch)
     log_probs = compute_log_probs(model, local, num_microbatches, bridge.vocab_size, temperature=cfg.temperature)
     local = prepare_global_batch(local, cfg.aggregation, cfg.norm_length, dp_group=ps.get_data_parallel_group())
     metrics = train_step(model, optimizer, local, num_microbatches, cfg, bridge.vocab_size)
     return {"weights": dict(bridge.export_hf_weights(chunks)), "metrics": metrics, "log_probs": log_probs,
-            "rows": (dp_rank * per_rank, (dp_rank + 1) * per_rank)}
+            "rows": rows}
 
 
 def perturb(chunks, seed: int, scale: float = 0.02) -> None:

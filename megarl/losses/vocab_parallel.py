@@ -22,7 +22,7 @@ def _scaled_chunk(logits, start, end, temperature, vocab_start, vocab_size, writ
     modified (padding, or writable=True), otherwise possibly a view of the logits."""
     x = logits[start:end].float()
     padded_from = vocab_size - vocab_start
-    fresh = x.data_ptr() != logits.data_ptr() + start * logits.stride(0) * logits.element_size()
+    fresh = logits.dtype != torch.float32  # .float() copies exactly when the dtype changes
     if temperature != 1.0:
         x, fresh = x / temperature, True
     if (writable or padded_from < x.shape[-1]) and not fresh:
