@@ -45,9 +45,34 @@ def write_tokenizer(out_dir: str, vocab_size: int = 384):
     return fast
 
 
+def write_char_tokenizer(out_dir: str):
+    """A byte-level tokenizer without merges (one token per byte: digits and signs are single tokens, which synthetic
+    arithmetic tasks need), the same special tokens and ChatML template. 259 ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(specials + alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+TOKENIZERS = {"bpe": write_tokenizer, "char": write_char_tokenizer}
+
+
 def write_tiny_model(out_dir: str, family: str, seed: int = 0, dtype: torch.dtype = torch.float32,
-                     **overrides) -> str:
-    """Write a tiny random `family` model to out_dir and return out_dir."""
+                     tokenizer: str = "bpe", **overrides) -> str:
+    """Write a tiny random `family` model to out_dir and return out_dir. tokenizer: "bpe" (384 ids, merges) or
+    "char" (one token per byte)."""
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"unknown tiny tokenizer {tokenizer!r}; choose one of {sorted(TOKENIZERS)}")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if family not in _FAMILY:
@@ -66,5 +91,8 @@ def write_tiny_model(out_dir: str, family: str, seed: int = 0, dtype: torch.dtyp
             else:
                 p.copy_(0.08 * torch.randn(p.shape, generator=generator))
     model.to(dtype).save_pretrained(out_dir)
-    write_tokenizer(out_dir, vocab_size=min(fields["vocab_size"], 384))
+    if tokenizer == "char":
+        write_char_tokenizer(out_dir)
+    else:
+        write_tokenizer(out_dir, vocab_size=min(fields["vocab_size"], 384))
     return out_dir

@@ -72,9 +72,10 @@ class EngineClient:
         return f"\nSGLang log tail ({self.server.log_path}):\n{self.server.log_tail()}" if self.server else ""
 
     # ----------------------------------------------------------------------------------------------- generation
-    def generate(self, prompts: list[list[int]], sampling_params: dict[str, Any], return_logprob: bool = True,
-                 logprob_start_len: int | None = None) -> list[Completion]:
-        """One batched /generate; token ids in, token ids and per-token log-probs out."""
+    def generate(self, prompts: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
+                 return_logprob: bool = True, logprob_start_len: int | None = None) -> list[Completion]:
+        """One batched /generate; token ids in, token ids and per-token log-probs out. sampling_params: one dict for
+        the batch or one per prompt."""
         payload = {"input_ids": prompts, "sampling_params": sampling_params, "return_logprob": return_logprob}
         if logprob_start_len is not None:
             payload["logprob_start_len"] = logprob_start_len

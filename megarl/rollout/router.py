@@ -34,8 +34,9 @@ class EngineRouter:
                 picks.append(engine)
             return picks
 
-    def generate(self, prompts: list[list[int]], sampling_params: dict, **kwargs) -> list[Completion]:
-        """Completions in prompt order; each engine gets one batched request with its share of the prompts."""
+    def generate(self, prompts: list[list[int]], sampling_params: dict | list[dict], **kwargs) -> list[Completion]:
+        """Completions in prompt order; each engine gets one batched request with its share of the prompts.
+        sampling_params: one dict for all prompts, or one per prompt (e.g. per-request sampling seeds)."""
         picks = self._assign(len(prompts))
         by_engine: dict[int, list[int]] = {}
         for index, engine in enumerate(picks):
@@ -43,7 +44,9 @@ class EngineRouter:
 
         def run(engine: int, indices: list[int]):
             try:
-                return self.clients[engine].generate([prompts[i] for i in indices], sampling_params, **kwargs)
+                params = [sampling_params[i] for i in indices] if isinstance(sampling_params, list) \
+                    else sampling_params
+                return self.clients[engine].generate([prompts[i] for i in indices], params, **kwargs)
             finally:
                 with self._lock:
                     self.in_flight[engine] -= len(indices)

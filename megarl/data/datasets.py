@@ -1,0 +1,132 @@
+"""Prompt datasets (RL) and chat datasets (SFT) from JSONL or Parquet files, or the built-in synthetic task.
+
+Every record is validated when the file is read; a bad one is an error naming the file, the line (JSONL) or row
+(Parquet), and what is wrong with it — never a KeyError deep inside a training step.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from .chat import ChatTokenizer, SFTSample
+from .synthetic import synthetic_splits
+
+
+class DataError(ValueError):
+    """A dataset record that cannot be used; the message names the file and line/row."""
+
+
+@dataclass
+class PromptRecord:
+    index: int  # position in the dataset (the data cursor of a resumed run counts these)
+    prompt_ids: list[int]
+    answer: str | None
+    text: str  # the rendered prompt, for logs
+
+
+def read_records(path: str) -> list[tuple[str, dict]]:
+    """[(where, record)] from a .jsonl/.json lines or .parquet file; `where` is "file:line N" or "file:row N"."""
+    if not os.path.isfile(path):
+        raise DataError(f"dataset file {path!r} does not exist")
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow raises several types for a corrupt file
+            raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+        return [(f"{path}:row {i}", r) for i, r in enumerate(rows)]
+    out = []
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:line {number}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:line {number}: expected a JSON object, got {type(record).__name__}")
+            out.append((f"{path}:line {number}", record))
+    if not out:
+        raise DataError(f"dataset file {path!r} holds no records")
+    return out
+
+
+def _messages(where: str, record: dict, cfg) -> list[dict]:
+    if cfg.messages_key in record:
+        messages = record[cfg.messages_key]
+        _check_messages(where, messages, cfg.messages_key)
+        messages = list(messages)
+    elif cfg.prompt_key in record:
+        prompt = record[cfg.prompt_key]
+        if not isinstance(prompt, str) or not prompt:
+            raise DataError(f"{where}: field {cfg.prompt_key!r} must be a non-empty string, got {prompt!r}")
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        raise DataError(f"{where}: has neither {cfg.prompt_key!r} (a prompt string) nor {cfg.messages_key!r} (chat "
+                        f"messages); keys are {sorted(record)}. Fix the file or set data.prompt_key / "
+                        "data.messages_key")
+    if cfg.system_prompt and messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": cfg.system_prompt}] + messages
+    return messages
+
+
+def _check_messages(where: str, messages, key: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: field {key!r} must be a non-empty list of messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content", ""), (str, type(None))):
+            raise DataError(f"{where}: {key}[{i}] must be an object with 'role' and string 'content', got {m!r}")
+        if m["role"] not in ("system", "user", "assistant", "tool"):
+            raise DataError(f"{where}: {key}[{i}].role={m['role']!r}; expected system/user/assistant/tool")
+
+
+def load_prompts(spec: str, tokenizer: ChatTokenizer, cfg, split: str = "train") -> list[PromptRecord]:
+    """Prompt records for RL. spec: a file path, or "synthetic" (cfg.synthetic's train or held-out split)."""
+    if spec == "synthetic":
+        train, held_out = synthetic_splits(cfg.synthetic)
+        records = [(f"synthetic:{split}[{i}]", r) for i, r in enumerate(train if split == "train" else held_out)]
+    else:
+        records = read_records(spec)
+    out = []
+    for where, record in records:
+        messages = _messages(where, record, cfg)
+        answer = record.get(cfg.answer_key)
+        if answer is not None and not isinstance(answer, (str, int, float)):
+            raise DataError(f"{where}: field {cfg.answer_key!r} must be a string or number, got {answer!r}")
+        ids = tokenizer.prompt_ids(messages)
+        if len(ids) > cfg.max_prompt_tokens:
+            raise DataError(f"{where}: the prompt is {len(ids)} tokens, above data.max_prompt_tokens="
+                            f"{cfg.max_prompt_tokens}. Fix: shorten it, drop it, or raise the limit")
+        out.append(PromptRecord(len(out), ids, None if answer is None else str(answer), messages[-1]["content"]))
+    return out
+
+
+def load_sft_samples(spec: str, tokenizer: ChatTokenizer, cfg) -> list[SFTSample]:
+    """SFT samples with assistant-only loss masks. spec: a chat JSONL/Parquet file ({"messages": [...]}) or
+    "synthetic" (the synthetic task's training problems with their answers as the assistant turn)."""
+    if spec == "synthetic":
+        train, _ = synthetic_splits(cfg.synthetic)
+        records = [(f"synthetic:train[{i}]", {cfg.messages_key: [{"role": "user", "content": r["prompt"]},
+                                                                 {"role": "assistant", "content": r["answer"]}]})
+                   for i, r in enumerate(train)]
+    else:
+        records = read_records(spec)
+    out = []
+    for where, record in records:
+        messages = record.get(cfg.messages_key)
+        if messages is None:
+            raise DataError(f"{where}: no {cfg.messages_key!r} field (SFT samples are chat messages); keys are "
+                            f"{sorted(record)}")
+        _check_messages(where, messages, cfg.messages_key)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{where}: no assistant message, so nothing would be trained")
+        if cfg.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": cfg.system_prompt}] + list(messages)
+        sample = tokenizer.sft_sample(messages, tools=record.get("tools"))
+        if not any(sample.loss_mask[1:]):
+            raise DataError(f"{where}: the assistant turns produced no trainable tokens")
+        out.append(sample)
+    return out

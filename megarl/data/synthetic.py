@@ -1,0 +1,42 @@
+"""Built-in verifiable tasks, generated locally: integer arithmetic with exact answers."""
+from __future__ import annotations
+
+import operator
+import random
+
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+
+
+def arithmetic_problems(n: int, digits: int = 2, ops=("+",), seed: int = 0, exclude: set | None = None) -> list[dict]:
+    """n distinct problems {"prompt": "37+58=", "answer": "95"} with operands of 1..`digits` digits.
+
+    `exclude` holds prompts that must not appear (the held-out split is generated first and excluded from training).
+    """
+    for op in ops:
+        if op not in _OPS:
+            raise ValueError(f"data.synthetic.ops: unknown operator {op!r}; choose from {sorted(_OPS)}")
+    rng = random.Random(seed)
+    high = 10 ** digits - 1
+    space = (high + 1) ** 2 * len(ops) - len(exclude or ())
+    if n > space:
+        raise ValueError(f"data.synthetic: {n} distinct problems requested but only {space} exist with "
+                         f"digits={digits} and ops={list(ops)}; lower num_train/num_eval or raise digits")
+    seen, out = set(exclude or ()), []
+    while len(out) < n:
+        a, b, op = rng.randint(0, high), rng.randint(0, high), rng.choice(list(ops))
+        prompt = f"{a}{op}{b}="
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        out.append({"prompt": prompt, "answer": str(_OPS[op](a, b))})
+    return out
+
+
+def synthetic_splits(cfg) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) problems for a SyntheticConfig; the two never share a prompt."""
+    if cfg.task != "arithmetic":
+        raise ValueError(f"data.synthetic.task={cfg.task!r} is unknown; choose one of ['arithmetic']")
+    held_out = arithmetic_problems(cfg.num_eval, cfg.digits, cfg.ops, seed=cfg.seed + 1)
+    train = arithmetic_problems(cfg.num_train, cfg.digits, cfg.ops, seed=cfg.seed,
+                                exclude={p["prompt"] for p in held_out})
+    return train, held_out

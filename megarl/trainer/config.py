@@ -1,0 +1,209 @@
+"""The training configuration: one dataclass tree, read from a YAML preset in configs/ plus dotted overrides
+(megarl.config.load_config). Every field has a default, so a preset only says what differs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..algorithms import AlgorithmConfig
+from ..config import ConfigError, load_config
+from ..parallel import ParallelConfig
+
+
+@dataclass
+class TinyModelConfig:
+    """A small random model written into the run folder (tests, the quickstart)."""
+    family: str = "qwen2"
+    tokenizer: str = "char"  # char: one token per byte (digits are single tokens) | bpe
+    seed: int = 0
+    overrides: dict = field(default_factory=dict)  # HF config fields, e.g. {hidden_size: 128}
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # a local Hugging Face folder (architecture, tokenizer, initial weights)
+    tiny: Optional[TinyModelConfig] = None  # instead of path: write a tiny random model into <run_dir>/base-model
+    load: Optional[str] = None  # a megarl checkpoint folder (e.g. <sft run>/checkpoints/latest) to start from
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    decay_style: str = "constant"  # constant | linear | cosine (megatron OptimizerParamScheduler)
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    clip_grad: float = 1.0
+    distributed_optimizer: bool = False  # shard optimizer state over data-parallel ranks (megatron)
+
+
+@dataclass
+class SyntheticConfig:
+    """Built-in verifiable task: integer arithmetic "a+b=" with `digits`-digit operands."""
+    task: str = "arithmetic"
+    digits: int = 2
+    ops: list = field(default_factory=lambda: ["+"])
+    num_train: int = 5000
+    num_eval: int = 200
+    seed: int = 1234  # the held-out set never overlaps the training set
+
+
+@dataclass
+class DataConfig:
+    train: str = "synthetic"  # JSONL/Parquet file of prompts, or "synthetic" (see synthetic)
+    eval: Optional[str] = None  # held-out prompts; None with train=synthetic: the synthetic held-out split
+    prompt_key: str = "prompt"  # a string (user turn) ...
+    messages_key: str = "messages"  # ... or a list of chat messages
+    answer_key: str = "answer"
+    system_prompt: Optional[str] = None
+    max_prompt_tokens: int = 1024
+    shuffle: bool = True
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class EngineConfig:
+    urls: list = field(default_factory=list)  # running SGLang servers; empty: start `num_engines` locally
+    num_engines: int = 1
+    tp_size: int = 1
+    max_total_tokens: Optional[int] = 16384
+    mem_fraction_static: Optional[float] = None
+    startup_timeout_s: float = 300.0
+    router_policy: str = "least_loaded"
+    extra_args: list = field(default_factory=list)
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 32
+    n_samples: int = 8  # responses per prompt (the GRPO group)
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: list = field(default_factory=list)  # besides the tokenizer's EOS / chat end token
+    deterministic: bool = True  # per-request sampling seeds (SGLang deterministic inference): exact resume
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, over-sample to refill
+    max_sampling_rounds: int = 4
+    overlong: str = "none"  # none | mask (truncated responses carry no loss) | penalty (DAPO soft overlong penalty)
+    overlong_buffer: int = 0  # penalty: linear penalty over the last `overlong_buffer` tokens before the limit
+    overlong_penalty: float = 1.0
+    old_log_probs: str = "recompute"  # recompute (trainer forward) | rollout (engine log-probs + algorithm.mismatch)
+    request_size: int = 64  # prompts per concurrent /generate request (rewards start as each returns)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass
+class RewardConfig:
+    name: str = "math"  # math (math-verify) | exact_match | "package.module:function"
+    workers: int = 2  # reward processes (off the training ranks' critical path)
+    timeout_s: float = 10.0
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class RLConfig:
+    steps: int = 100
+    ppo_epochs: int = 1
+    mini_batches: int = 1  # optimizer steps per ppo epoch
+    max_tokens_per_microbatch: int = 8192
+    ref_model: Optional[bool] = None  # None: only when algorithm.kl_coef > 0
+    eval_every: int = 0  # 0: evaluate only before and after training
+    eval_samples: int = 4  # samples per held-out prompt (pass@1 = mean correctness)
+    eval_temperature: Optional[float] = None  # None: rollout.temperature
+
+
+@dataclass
+class SFTConfig:
+    data: str = "synthetic"  # chat JSONL ({"messages": [...]}) or synthetic (the synthetic task's answers)
+    steps: int = 200
+    batch_size: int = 64  # sequences (before packing) per optimizer step
+    max_seq_len: int = 512
+    pack: bool = True
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    warmup_steps: int = 10
+    decay_style: str = "cosine"
+    max_tokens_per_microbatch: int = 8192
+
+
+@dataclass
+class ReshardConfig:
+    transport: str = "tensor"  # tensor (colocated) | distributed (NCCL/gloo broadcast) | disk
+    bucket_mb: int = 512
+    verify_every: int = 10  # verify the first sync, then every N (0: first only)
+
+
+@dataclass
+class CheckpointConfig:
+    save_every: int = 0  # steps; 0: only at the end
+    keep: int = 2
+    resume: bool = True  # continue from <run_dir>/checkpoints/latest when it exists
+    export_hf: bool = True  # write <run_dir>/hf at the end (servable HF folder)
+
+
+@dataclass
+class LoggingConfig:
+    wandb: str = "offline"  # offline | online | disabled
+    project: str = "megarl"
+    progress: bool = True
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = "runs/default"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    reshard: ReshardConfig = field(default_factory=ReshardConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> "TrainConfig":
+        if (self.model.path is None) == (self.model.tiny is None):
+            raise ConfigError("set exactly one of model.path (an HF folder) and model.tiny (a tiny random model)")
+        self.algorithm.validate()
+        _choice("rollout.overlong", self.rollout.overlong, ("none", "mask", "penalty"))
+        _choice("rollout.old_log_probs", self.rollout.old_log_probs, ("recompute", "rollout"))
+        _choice("reshard.transport", self.reshard.transport, ("tensor", "distributed", "disk"))
+        _choice("logging.wandb", self.logging.wandb, ("offline", "online", "disabled"))
+        for name in ("optim.decay_style", "sft.decay_style"):
+            section, key = name.split(".")
+            _choice(name, getattr(getattr(self, section), key), ("constant", "linear", "cosine"))
+        for name in ("rollout.prompts_per_step", "rollout.n_samples", "rollout.max_new_tokens", "rl.steps",
+                     "rl.ppo_epochs", "rl.mini_batches", "rl.max_tokens_per_microbatch", "sft.batch_size",
+                     "sft.max_seq_len", "reshard.bucket_mb", "rollout.request_size", "reward.workers"):
+            section, key = name.split(".")
+            if getattr(getattr(self, section), key) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(getattr(self, section), key)}")
+        if self.rollout.prompts_per_step % self.rl.mini_batches:
+            raise ConfigError(f"rollout.prompts_per_step={self.rollout.prompts_per_step} must be divisible by "
+                              f"rl.mini_batches={self.rl.mini_batches} (each mini-batch takes whole groups)")
+        if self.rollout.old_log_probs == "rollout" and self.rl.ppo_epochs * self.rl.mini_batches > 1 \
+                and not self.algorithm.mismatch.mode:
+            raise ConfigError("rollout.old_log_probs=rollout with several updates per batch uses the engine's "
+                              "log-probs as the PPO anchor; set algorithm.mismatch.mode (e.g. tis) or use recompute")
+        if self.rollout.overlong == "penalty" and not 0 < self.rollout.overlong_buffer < self.rollout.max_new_tokens:
+            raise ConfigError("rollout.overlong=penalty needs 0 < rollout.overlong_buffer < rollout.max_new_tokens")
+        if self.algorithm.temperature != self.rollout.temperature:
+            raise ConfigError(f"algorithm.temperature={self.algorithm.temperature} must equal rollout.temperature="
+                              f"{self.rollout.temperature}: the trainer's log-probs must be of the distribution the "
+                              "engine sampled from")
+        return self
+
+
+def _choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is unknown; choose one of {list(choices)}")
+
+
+def load_train_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
+    return load_config(TrainConfig, path, overrides).validate()
