@@ -1,8 +1,14 @@
 """The `megarl` command.
 
+    torchrun --nproc_per_node N -m megarl.cli train CONFIG [key=value ...]   # RL (GRPO/PPO family)
+    torchrun --nproc_per_node N -m megarl.cli sft CONFIG [key=value ...]     # SFT cold start
+    torchrun --nproc_per_node N -m megarl.cli run CONFIG [key=value ...]     # SFT, then RL, then the report
+    megarl report RUN_DIR                                                    # PNG curves + markdown summary
     torchrun --nproc_per_node 2 -m megarl.cli smoke [--family qwen3] [--tp 2] [--pp 1] [--ep 1] [--out runs/smoke]
 
-`smoke` is the model-bridge smoke run (the README's main command until the RL trainer lands): it writes a tiny random
+CONFIG is a YAML preset (configs/); key=value overrides any field by its dotted name (rl.steps=20).
+
+`smoke` is the model-bridge smoke run: it writes a tiny random
 HF model (or uses --model PATH), loads it into a TP/PP/EP-sharded Megatron GPTModel, compares the logits with Hugging
 Face transformers, exports the sharded model back to an HF folder and checks that every tensor is bit-identical, and
 writes a summary JSON.
@@ -93,9 +99,87 @@ def _smoke(args) -> int:
     return 0 if ok else 1
 
 
+def _load(args):
+    from megarl.trainer import load_train_config
+
+    return load_train_config(args.config, args.overrides)
+
+
+def _train(args) -> int:
+    from megarl import parallel
+    from megarl.trainer import RLTrainer
+
+    cfg = _load(args)
+    trainer = RLTrainer(cfg)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    parallel.teardown()
+    print(json.dumps(summary))
+    return 0
+
+
+def _sft(args) -> int:
+    from megarl import parallel
+    from megarl.trainer import run_sft
+
+    summary = run_sft(_load(args))
+    parallel.teardown()
+    print(json.dumps(summary))
+    return 0
+
+
+def _run(args) -> int:
+    """SFT cold start (when sft.steps > 0), RL, then summary.json and the report (what the quickstart runs)."""
+    import torch.distributed as dist
+
+    from megarl import parallel
+    from megarl.report import render
+    from megarl.trainer import RLTrainer, run_sft
+
+    start = time.perf_counter()
+    cfg = _load(args)
+    sft = run_sft(cfg) if cfg.sft.steps > 0 else None
+    trainer = RLTrainer(cfg)
+    try:
+        rl = trainer.train()
+    finally:
+        trainer.close()
+    rank = dist.get_rank()
+    parallel.teardown()
+    if rank != 0:
+        return 0
+    summary = {"pass_at_1_before": rl["pass_at_1_before"], "pass_at_1_after": rl["pass_at_1_after"],
+               "wall_s": round(time.perf_counter() - start, 1), "seed": cfg.seed, "rl_steps": rl["steps"],
+               "sft_steps": sft["steps"] if sft else 0, "sft_wall_s": round(sft["wall_s"], 1) if sft else 0.0}
+    with open(os.path.join(cfg.run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    png, md = render(cfg.run_dir)
+    print(f"\nmegarl run {cfg.run_dir}: held-out pass@1 {summary['pass_at_1_before']:.1f}% before RL -> "
+          f"{summary['pass_at_1_after']:.1f}% after ({summary['rl_steps']} RL steps, wall {summary['wall_s']:.0f} s)")
+    print(f"  summary {os.path.join(cfg.run_dir, 'summary.json')}\n  report  {md}\n  plots   {png}")
+    return 0
+
+
+def _report(args) -> int:
+    from megarl.report import render
+
+    png, md = render(args.run_dir)
+    print(f"wrote {png} and {md}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="megarl")
     sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("train", "RL training (under torchrun)"), ("sft", "SFT cold start (under torchrun)"),
+                            ("run", "SFT, then RL, then the report (under torchrun)")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("config", help="YAML preset, e.g. configs/quickstart.yaml")
+        p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rl.steps=20")
+    report = sub.add_parser("report", help="PNG plots + markdown summary of a run folder")
+    report.add_argument("run_dir")
     smoke = sub.add_parser("smoke", help="model-bridge smoke run (HF -> sharded Megatron -> HF), under torchrun")
     smoke.add_argument("--family", default="qwen3", choices=["llama", "qwen2", "qwen3", "qwen3_moe"])
     smoke.add_argument("--model", default=None, help="an HF model folder instead of a tiny random one")
@@ -104,10 +188,16 @@ def main(argv=None) -> int:
     smoke.add_argument("--ep", type=int, default=1)
     smoke.add_argument("--out", default="runs/smoke")
     args = parser.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
     if args.command == "smoke":
+        os.makedirs(args.out, exist_ok=True)
         return _smoke(args)
-    return 2
+    from megarl.config import ConfigError
+
+    try:
+        return {"train": _train, "sft": _sft, "run": _run, "report": _report}[args.command](args)
+    except ConfigError as e:
+        print(f"megarl: config error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def build(cls, raw: dict | None, prefix: str = ""):
     """Instantiate dataclass `cls` from a mapping, checking keys and types."""
     raw = raw or {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {type(raw).__name__} {raw!r}")
+        raise ConfigError(f"{prefix[:-1] or 'config'} must be a mapping, got {type(raw).__name__} {raw!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -136,7 +136,7 @@ def _coerce(tp, value, name: str):
         return build(tp, value, f"{name}.")
     if tp is Any:
         return value
-    if origin in (list, tuple):
+    if origin in (list, tuple) or tp in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name} must be a list, got {type(value).__name__} {value!r}")
         (inner,) = typing.get_args(tp)[:1] or (Any,)

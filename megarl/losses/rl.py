@@ -34,6 +34,7 @@ class TokenBatch:
     old_log_probs: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
     rollout_log_probs: Optional[torch.Tensor] = None
+    segment_ids: Optional[torch.Tensor] = None  # [b, s] packed samples numbered from 1 (0: padding); None: one per row
 
     def rows(self, index) -> "TokenBatch":
         return replace(self, **{f.name: getattr(self, f.name)[index] for f in fields(self)

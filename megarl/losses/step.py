@@ -15,7 +15,7 @@ def run_schedule(model: list, micro_batches: list[TokenBatch], loss_func_for, fo
 
     def forward_step(data_iterator, chunk):
         batch = next(data_iterator)
-        return chunk(*causal_inputs(batch.input_ids)), loss_func_for(batch)
+        return chunk(*causal_inputs(batch.input_ids, batch.segment_ids)), loss_func_for(batch)
 
     iterators = [iter(micro_batches) for _ in model] if len(model) > 1 else iter(micro_batches)
     return get_forward_backward_func()(

@@ -4,12 +4,24 @@ from __future__ import annotations
 import torch
 
 
-def causal_inputs(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, position_ids, attention_mask) for GPTModel; the mask is True where attention is blocked."""
+def causal_inputs(input_ids: torch.Tensor, segment_ids: torch.Tensor | None = None):
+    """(input_ids, position_ids, attention_mask) for GPTModel; the mask is True where attention is blocked.
+
+    With segment_ids (packed samples numbered from 1 within a row, 0 for padding), attention is causal within each
+    sample only and positions restart at every sample, so a packed row computes exactly what the samples would alone.
+    """
     batch, seq = input_ids.shape
-    position_ids = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq).contiguous()
-    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=input_ids.device), diagonal=1)
-    return input_ids, position_ids, mask
+    causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=input_ids.device), diagonal=1)
+    if segment_ids is None:
+        position_ids = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq).contiguous()
+        return input_ids, position_ids, causal
+    same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    mask = causal | ~same
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    index = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+    start_index = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
+    return input_ids, (index - start_index).contiguous(), mask
 
 
 @torch.no_grad()

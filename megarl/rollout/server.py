@@ -19,6 +19,8 @@ from ..parallel.env import free_port
 
 CPU_STANDINS = os.path.join(os.path.dirname(platform.__file__), "sglang_cpu")
 _FATAL_MARKERS = ("Received sigquit from a child process",)
+_TRAINER_ENV = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"}
 
 
 class EngineError(RuntimeError):
@@ -35,6 +37,7 @@ class ServerConfig:
     max_total_tokens: int | None = 4096
     mem_fraction_static: float | None = None
     random_seed: int = 0
+    seeded_sampling: bool = False  # honour per-request sampling_seed (exact rollouts on resume)
     startup_timeout_s: float = 300.0
     log_dir: str = "runs/engine"
     extra_args: list[str] = field(default_factory=list)
@@ -51,7 +54,10 @@ def server_command(cfg: ServerConfig, port: int) -> tuple[list[str], dict]:
         cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
     if cfg.mem_fraction_static:
         cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
-    env = dict(os.environ)
+    # The trainer runs under torchrun/Slurm; the server is its own distributed job and must not see the trainer's
+    # rendezvous variables (with RANK/WORLD_SIZE/MASTER_PORT inherited, SGLang's startup waits on the trainer's store).
+    env = {k: v for k, v in os.environ.items() if k not in _TRAINER_ENV and not k.startswith(("TORCHELASTIC_",
+                                                                                               "TORCH_ELASTIC_"))}
     # megarl never downloads at run time: a missing local model must fail at once, not after hub time-outs.
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -60,6 +66,10 @@ def server_command(cfg: ServerConfig, port: int) -> tuple[list[str], dict]:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (CPU_STANDINS, env.get("PYTHONPATH")) if p)
         env.setdefault("OMP_NUM_THREADS", "1")
+        if cfg.seeded_sampling:  # see sglang_cpu/sitecustomize.py
+            env["MEGARL_SGLANG_SEEDED_SAMPLING"] = "1"
+    elif cfg.seeded_sampling:
+        cmd += ["--enable-deterministic-inference"]
     return cmd + list(cfg.extra_args), env
 
 

@@ -23,7 +23,7 @@ class TinyModelConfig:
 class ModelConfig:
     path: Optional[str] = None  # a local Hugging Face folder (architecture, tokenizer, initial weights)
     tiny: Optional[TinyModelConfig] = None  # instead of path: write a tiny random model into <run_dir>/base-model
-    load: Optional[str] = None  # a megarl checkpoint folder (e.g. <sft run>/checkpoints/latest) to start from
+    load: Optional[str] = None  # a megarl checkpoint (step or checkpoints/ folder); "sft": <run_dir>/sft/checkpoints
 
 
 @dataclass

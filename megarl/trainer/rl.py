@@ -1,0 +1,268 @@
+"""The RL trainer. `RLTrainer.step()` is one RL step, top to bottom:
+
+    rollout (rank 0 -> SGLang, rewards in parallel) -> this DP rank's token batch -> reference log-probs ->
+    old log-probs -> advantages -> ppo_epochs x mini-batches through Megatron's pipeline schedule -> reshard the new
+    weights into the engine -> metrics
+
+Everything else here is set-up (model, engines, data, resume) and bookkeeping (checkpoints, evaluation, summary).
+Run it under torchrun: `megarl train CONFIG [key=value ...]`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import parallel, platform
+from ..algorithms import compute_advantages, kl_estimate
+from ..config import to_dict
+from ..data import ChatTokenizer, load_prompts
+from ..losses import compute_log_probs, prepare_global_batch, train_step
+from ..reshard import TRANSPORTS, SyncConfig, WeightSync
+from ..rewards import RewardPool
+from ..rollout import EngineClient, EngineRouter, ServerConfig, SGLangServer
+from .batching import RankBatch, rank_batch
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .logging import MetricsLog, PhaseTimer
+from .rollout import PromptStream, Rollout, rollout_metrics
+from .setup import build_policy, build_reference, init_parallel, prepare_model_folder, resolve_load
+
+logger = logging.getLogger("megarl")
+
+
+def broadcast(obj, src: int = 0):
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+class RLTrainer:
+    def __init__(self, cfg):
+        self.cfg, self.started = cfg, time.perf_counter()
+        parallel.initialize(cfg.parallel)
+        self.rank = dist.get_rank()
+        self.model_path = prepare_model_folder(cfg)
+        init_parallel(cfg, self.model_path)
+        from megatron.core import parallel_state as ps
+
+        self.ps = ps
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.tok = ChatTokenizer.from_pretrained(self.model_path)
+        updates = cfg.rl.steps * cfg.rl.ppo_epochs * cfg.rl.mini_batches
+        self.policy = build_policy(self.model_path, cfg.optim, updates, load=resolve_load(cfg))
+        self.bridge = self.policy.bridge
+        use_ref = cfg.rl.ref_model if cfg.rl.ref_model is not None else cfg.algorithm.kl_coef > 0
+        self.ref = build_reference(self.bridge, self.policy.chunks) if use_ref else None
+        self.ckpt_root = os.path.join(cfg.run_dir, "checkpoints")
+        self.step, self.state = 0, {}
+        self._start_rollout_side()
+        self._resume()
+        self.log = MetricsLog(cfg.run_dir, to_dict(cfg), cfg.logging.wandb, cfg.logging.project,
+                              progress_total=cfg.rl.steps, progress=cfg.logging.progress) if self.rank == 0 else None
+        if self.log is not None:
+            self.log.truncate_after(self.step)
+            if self.log.bar is not None:
+                self.log.bar.update(self.step)
+
+    # ------------------------------------------------------------------------------------------------ set-up
+    def _start_rollout_side(self) -> None:
+        cfg = self.cfg
+        self.servers, urls = [], list(cfg.rollout.engine.urls)
+        if self.rank == 0:
+            self.train_records = load_prompts(cfg.data.train, self.tok, cfg.data, "train")
+            eval_spec = cfg.data.eval or ("synthetic" if cfg.data.train == "synthetic" else None)
+            self.eval_records = load_prompts(eval_spec, self.tok, cfg.data, "eval") if eval_spec else []
+            self.stream = PromptStream(self.train_records, cfg.seed, cfg.data.shuffle)
+            self.rewards = RewardPool(cfg.reward.name, cfg.reward.workers, cfg.reward.timeout_s, cfg.reward.kwargs)
+            if not urls:
+                for i in range(cfg.rollout.engine.num_engines):
+                    e = cfg.rollout.engine
+                    server = SGLangServer(ServerConfig(
+                        model_path=self.model_path, tp_size=e.tp_size, max_total_tokens=e.max_total_tokens,
+                        mem_fraction_static=e.mem_fraction_static, random_seed=cfg.seed + i,
+                        startup_timeout_s=e.startup_timeout_s, log_dir=os.path.join(cfg.run_dir, "engine"),
+                        seeded_sampling=cfg.rollout.deterministic, extra_args=list(e.extra_args)))
+                    self.servers.append(server.start())
+                urls = [s.url for s in self.servers]
+        urls = broadcast(urls)
+        self.clients = [EngineClient(server=s) for s in self.servers] if self.servers else \
+            [EngineClient(url) for url in urls]
+        if self.rank == 0:
+            self.router = EngineRouter(self.clients, cfg.rollout.engine.router_policy)
+            self.rollout = Rollout(cfg, self.tok, self.router, self.rewards)
+        transport = TRANSPORTS[cfg.reshard.transport]
+        self.syncs = []
+        for i, client in enumerate(self.clients):
+            t = transport(client, os.path.join(cfg.run_dir, "engine", f"weights-{i}")) \
+                if cfg.reshard.transport == "disk" else transport(client, cfg.rollout.engine.tp_size)
+            self.syncs.append(WeightSync(self.bridge, self.policy.chunks, t, client if self.rank == 0 else None,
+                                         SyncConfig(bucket_bytes=cfg.reshard.bucket_mb << 20,
+                                                    verify_every=cfg.reshard.verify_every)))
+
+    def _resume(self) -> None:
+        path = latest_checkpoint(self.ckpt_root) if self.cfg.checkpoint.resume and \
+            os.path.isdir(self.ckpt_root) else None
+        if path is None:
+            return
+        self.state = load_checkpoint(path, self.policy.chunks, self.policy.optimizer,
+                                     self.policy.scheduler)
+        self.step = self.state["step"]
+        if self.rank == 0:
+            self.stream.load(self.state["data"])
+            logger.info("resumed from %s (step %d)", path, self.step)
+
+    # ------------------------------------------------------------------------------------------- the RL step
+    def step_once(self, step: int) -> dict:
+        cfg, timer = self.cfg, PhaseTimer()
+        start = time.perf_counter()
+
+        # 1. Rollout: rank 0 asks the engines for n samples per prompt and scores them; every rank gets the samples.
+        with timer("rollout"):
+            samples, stats = self.rollout.collect(self.stream, step) if self.rank == 0 else (None, None)
+            samples, stats = broadcast((samples, stats))
+        self._engines("release_memory")  # colocated GPUs: the engine's memory goes to training (no-op on CPU)
+
+        # 2. This DP rank's rows: whole groups, balanced tokens, micro-batches by token budget.
+        rb = rank_batch(samples, self.dp_rank, self.dp_size, self.tok.pad_id,
+                        seq_multiple=self.ps.get_tensor_model_parallel_world_size(),
+                        max_tokens_per_microbatch=cfg.rl.max_tokens_per_microbatch, row_multiple=cfg.rl.mini_batches)
+        batch = rb.batch
+
+        # 3. Reference and old-policy log-probs of the engine's tokens.
+        with timer("ref"):
+            batch.ref_log_probs = self._log_probs(self.ref, rb) if self.ref is not None else None
+        with timer("old_log_prob"):
+            batch.old_log_probs = self._log_probs(self.policy.model, rb) \
+                if cfg.rollout.old_log_probs == "recompute" else batch.rollout_log_probs
+
+        # 4. Advantages (groups are whole on this rank; batch-level statistics reduce over DP).
+        with timer("advantages"):
+            batch.advantages = self._advantages(samples, rb)
+
+        # 5. PPO epochs x mini-batches, each one optimizer step through Megatron's schedule.
+        train = []
+        with timer("train"):
+            rows = batch.input_ids.shape[0] // cfg.rl.mini_batches
+            for _ in range(cfg.rl.ppo_epochs):
+                for k in range(cfg.rl.mini_batches):
+                    mini = prepare_global_batch(batch.rows(slice(k * rows, (k + 1) * rows)), cfg.algorithm.aggregation,
+                                                cfg.algorithm.norm_length, self.ps.get_data_parallel_group())
+                    num_mb = max(1, rb.num_microbatches // cfg.rl.mini_batches)
+                    train.append(train_step(self.policy.model, self.policy.optimizer, mini, num_mb, cfg.algorithm,
+                                            self.bridge.vocab_size))
+                    self.policy.scheduler.step(1)
+
+        # 6. Reshard: the engines get the new weights (verified on the first sync and every reshard.verify_every).
+        with timer("reshard"):
+            sync_stats = self.sync_weights(f"step-{step}")
+
+        metrics = {k: sum(t[k] for t in train) / len(train) for k in train[0]}
+        metrics.update(rollout_metrics(samples, cfg.rollout.max_new_tokens), **stats, **timer.take())
+        metrics.update({f"reshard/{k}": v for k, v in sync_stats.items() if isinstance(v, (int, float))})
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        metrics.update({"time/step_s": elapsed, "perf/tokens_per_s": tokens / elapsed,
+                        "rollout/stale_weight_frac": sum(s.extra.get("weight_version") != f"step-{step - 1}"
+                                                         for s in samples) / len(samples) if step > 1 else 0.0})
+        return metrics
+
+    def _log_probs(self, model: list, rb: RankBatch) -> torch.Tensor:
+        out = compute_log_probs(model, rb.batch, rb.num_microbatches, self.bridge.vocab_size,
+                                temperature=self.cfg.algorithm.temperature)
+        return out if out is not None else torch.zeros_like(rb.batch.loss_mask)
+
+    def _advantages(self, samples, rb: RankBatch) -> torch.Tensor:
+        cfg, batch, real = self.cfg.algorithm, rb.batch, len(rb.sample_index)
+        out = torch.zeros_like(batch.loss_mask)
+        scores = torch.tensor([samples[i].score for i in rb.sample_index], dtype=torch.float32)
+        groups = torch.tensor([samples[i].group for i in rb.sample_index])
+        kl = None
+        if cfg.kl_in_reward and batch.ref_log_probs is not None:
+            kl = kl_estimate(batch.old_log_probs[:real], batch.ref_log_probs[:real], cfg.kl_estimator)
+        adv, _ = compute_advantages(cfg.advantage_estimator, scores=scores, group_ids=groups,
+                                    mask=batch.loss_mask[:real], kl=kl, kl_coef=cfg.kl_coef, gamma=cfg.gamma,
+                                    lam=cfg.lam, reward_weights=cfg.reward_weights,
+                                    group=self.ps.get_data_parallel_group())
+        out[:real] = adv
+        return out
+
+    # ------------------------------------------------------------------------------------------ engine side
+    def _engines(self, method: str) -> None:
+        if self.rank == 0 and platform.on_gpu() and not self.cfg.rollout.engine.urls:
+            for client in self.clients:
+                getattr(client, method)()
+
+    def sync_weights(self, version: str, verify: bool | None = None) -> dict:
+        self._engines("resume_memory")
+        stats = {}
+        for sync in self.syncs:
+            stats = sync.sync(version, verify=verify)
+        return stats
+
+    def evaluate(self, tag) -> dict:
+        cfg = self.cfg
+        result = None
+        if self.rank == 0 and self.eval_records:
+            temperature = cfg.rl.eval_temperature if cfg.rl.eval_temperature is not None else cfg.rollout.temperature
+            result = self.rollout.evaluate(self.eval_records, cfg.rl.eval_samples, temperature, tag)
+        return broadcast(result) or {}
+
+    # --------------------------------------------------------------------------------------------- the run
+    def train(self) -> dict:
+        cfg = self.cfg
+        self.sync_weights(f"step-{self.step}", verify=True)  # the engines start from the trainer's weights
+        if self.step == 0:
+            self.state["eval_before"] = self.evaluate("before")
+            if self.log is not None and self.state["eval_before"]:
+                self.log.log(0, self.state["eval_before"])
+        while self.step < cfg.rl.steps:
+            step = self.step + 1
+            metrics = self.step_once(step)
+            if cfg.rl.eval_every and step % cfg.rl.eval_every == 0 and step < cfg.rl.steps:
+                metrics.update(self.evaluate(step))
+            metrics["reward/errors"] = self.rewards.take_errors() if self.rank == 0 else 0
+            self.step = step
+            if self.log is not None:
+                self.log.log(step, metrics, show=("reward/mean", "eval/pass_at_1", "loss"))
+            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < cfg.rl.steps:
+                self.save()
+        after = self.evaluate("after")
+        if self.log is not None and after:
+            self.log.log(self.step, after)
+        self.save()
+        if cfg.checkpoint.export_hf:
+            self.bridge.save_hf(self.policy.chunks, os.path.join(cfg.run_dir, "hf"))
+        return self._summary(after)
+
+    def save(self) -> None:
+        state = dict(self.state)
+        if self.rank == 0:
+            state["data"] = self.stream.state()
+        state = broadcast(state)
+        save_checkpoint(self.ckpt_root, self.step, self.policy.chunks, self.policy.optimizer, self.policy.scheduler,
+                        state, keep=self.cfg.checkpoint.keep)
+
+    def _summary(self, after: dict) -> dict:
+        before = self.state.get("eval_before") or {}
+        summary = {"pass_at_1_before": before.get("eval/pass_at_1"), "pass_at_1_after": after.get("eval/pass_at_1"),
+                   "wall_s": time.perf_counter() - self.started, "seed": self.cfg.seed, "steps": self.step,
+                   "run_dir": self.cfg.run_dir}
+        if self.rank == 0:
+            with open(os.path.join(self.cfg.run_dir, "rl_summary.json"), "w") as f:
+                json.dump(summary, f, indent=1)
+        return summary
+
+    def close(self) -> None:
+        for sync in self.syncs:
+            sync.close()
+        if self.rank == 0:
+            self.rollout.close()
+            self.rewards.close()
+            if self.log is not None:
+                self.log.close()
+        for server in self.servers:
+            server.stop()

@@ -1,0 +1,127 @@
+"""Building what a run trains: the model folder, the sharded policy wrapped in Megatron DDP, its optimizer and
+learning-rate schedule (all megatron-core), and a frozen reference copy."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .. import parallel, platform
+from ..models import ModelBridge, open_model_folder, write_tiny_model
+
+
+def prepare_model_folder(cfg) -> str:
+    """The HF folder of the run's model: model.path, or a tiny random model written once by rank 0."""
+    if cfg.model.path:
+        return open_model_folder(cfg.model.path).path  # validates the folder on every rank
+    path = os.path.abspath(os.path.join(cfg.run_dir, "base-model"))
+    if dist.get_rank() == 0 and not os.path.isfile(os.path.join(path, "config.json")):
+        tiny = cfg.model.tiny
+        tmp = f"{path}.tmp-{os.getpid()}"
+        write_tiny_model(tmp, tiny.family, seed=tiny.seed, tokenizer=tiny.tokenizer, **tiny.overrides)
+        os.replace(tmp, path)
+    dist.barrier()
+    return path
+
+
+def init_parallel(cfg, model_path: str):
+    folder = open_model_folder(model_path)
+    parallel.initialize(cfg.parallel, folder.shape())
+    return folder
+
+
+def wrap_ddp(chunks: list, distributed_optimizer: bool = False) -> list:
+    """Megatron DDP around each chunk, with the config hooks the schedules call (grad sync, finalize)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                               use_distributed_optimizer=distributed_optimizer)
+    wrapped = [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c,
+                                       disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+    config = chunks[0].config
+    config.no_sync_func = [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def make_optimizer(model: list, lr: float, min_lr: float, warmup_steps: int, decay_style: str, total_steps: int,
+                   weight_decay: float = 0.0, betas=(0.9, 0.999), clip_grad: float = 1.0,
+                   distributed: bool = False):
+    """megatron-core Adam (optionally the distributed optimizer) and its OptimizerParamScheduler."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    on_gpu = platform.on_gpu()
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=betas[0],
+        adam_beta2=betas[1], clip_grad=clip_grad, use_distributed_optimizer=distributed, bf16=on_gpu,
+        params_dtype=torch.bfloat16 if on_gpu else torch.float32), model)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
+        lr_decay_steps=max(total_steps, warmup_steps + 1), lr_decay_style=decay_style, start_wd=weight_decay,
+        end_wd=weight_decay, wd_incr_steps=max(total_steps, 1), wd_incr_style="constant")
+    return optimizer, scheduler
+
+
+@dataclass
+class Policy:
+    bridge: ModelBridge
+    chunks: list  # the bare GPTModel chunks (export, checkpoints)
+    model: list  # the DDP-wrapped chunks (schedules)
+    optimizer: object
+    scheduler: object
+
+
+def resolve_load(cfg) -> str | None:
+    """model.load, with "sft" meaning this run's SFT cold start (<run_dir>/sft/checkpoints)."""
+    if cfg.model.load == "sft":
+        return os.path.join(cfg.run_dir, "sft", "checkpoints")
+    return cfg.model.load
+
+
+def build_policy(folder, optim, total_steps: int, load: str | None = None) -> Policy:
+    """Sharded policy with the HF weights (or a megarl checkpoint's model weights when `load` is set)."""
+    from ..models.checkpoint import load_model_checkpoint
+
+    bridge = ModelBridge(folder)
+    chunks = bridge.build()
+    if load:
+        load_model_checkpoint(chunks, resolve_checkpoint(load))
+    else:
+        bridge.load_hf_weights(chunks)
+    model = wrap_ddp(chunks, optim.distributed_optimizer)
+    optimizer, scheduler = make_optimizer(
+        model, optim.lr, optim.min_lr, optim.warmup_steps, optim.decay_style, total_steps,
+        weight_decay=optim.weight_decay, betas=(optim.adam_beta1, optim.adam_beta2), clip_grad=optim.clip_grad,
+        distributed=optim.distributed_optimizer)
+    return Policy(bridge, chunks, model, optimizer, scheduler)
+
+
+def build_reference(bridge: ModelBridge, policy_chunks: list) -> list:
+    """A frozen copy of the policy's current weights (the KL anchor), in eval mode with no gradients."""
+    chunks = bridge.build()
+    with torch.no_grad():
+        for ref, live in zip(chunks, policy_chunks):
+            for (_, p_ref), (_, p_live) in zip(ref.state_dict(keep_vars=True).items(),
+                                               live.state_dict(keep_vars=True).items()):
+                if torch.is_tensor(p_ref):
+                    p_ref.copy_(p_live)
+    for chunk in chunks:
+        chunk.eval()
+        chunk.requires_grad_(False)
+    return chunks
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint folder, or a checkpoints/ folder (or its `latest` file) -> the step folder `latest` names."""
+    from .checkpoint import latest_checkpoint
+
+    if os.path.basename(path.rstrip("/")) == "latest":
+        path = os.path.dirname(path.rstrip("/"))
+    found = latest_checkpoint(path) if os.path.isfile(os.path.join(path, "latest")) else path
+    if not found or not os.path.isdir(found):
+        raise FileNotFoundError(f"model.load={path!r}: no checkpoint there (expected a step folder or a checkpoints/ "
+                                "folder with a 'latest' file)")
+    return found
