@@ -7,8 +7,10 @@ import random
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 
-def arithmetic_problems(n: int, digits: int = 2, ops=("+",), seed: int = 0, exclude: set | None = None) -> list[dict]:
-    """n distinct problems {"prompt": "37+58=", "answer": "95"} with operands of 1..`digits` digits.
+def arithmetic_problems(n: int, digits: int = 2, ops=("+",), seed: int = 0, exclude: set | None = None,
+                        max_operand: int | None = None) -> list[dict]:
+    """n distinct problems {"prompt": "37+58=", "answer": "95"} with operands in [0, max_operand] (default: every
+    number of at most `digits` digits).
 
     `exclude` holds prompts that must not appear (the held-out split is generated first and excluded from training).
     """
@@ -16,11 +18,11 @@ def arithmetic_problems(n: int, digits: int = 2, ops=("+",), seed: int = 0, excl
         if op not in _OPS:
             raise ValueError(f"data.synthetic.ops: unknown operator {op!r}; choose from {sorted(_OPS)}")
     rng = random.Random(seed)
-    high = 10 ** digits - 1
+    high = 10 ** digits - 1 if max_operand is None else max_operand
     space = (high + 1) ** 2 * len(ops) - len(exclude or ())
     if n > space:
-        raise ValueError(f"data.synthetic: {n} distinct problems requested but only {space} exist with "
-                         f"digits={digits} and ops={list(ops)}; lower num_train/num_eval or raise digits")
+        raise ValueError(f"data.synthetic: {n} distinct problems requested but only {space} exist with operands "
+                         f"0..{high} and ops={list(ops)}; lower num_train/num_eval or widen the operands")
     seen, out = set(exclude or ()), []
     while len(out) < n:
         a, b, op = rng.randint(0, high), rng.randint(0, high), rng.choice(list(ops))
@@ -36,7 +38,7 @@ def synthetic_splits(cfg) -> tuple[list[dict], list[dict]]:
     """(train, held-out) problems for a SyntheticConfig; the two never share a prompt."""
     if cfg.task != "arithmetic":
         raise ValueError(f"data.synthetic.task={cfg.task!r} is unknown; choose one of ['arithmetic']")
-    held_out = arithmetic_problems(cfg.num_eval, cfg.digits, cfg.ops, seed=cfg.seed + 1)
+    held_out = arithmetic_problems(cfg.num_eval, cfg.digits, cfg.ops, seed=cfg.seed + 1, max_operand=cfg.max_operand)
     train = arithmetic_problems(cfg.num_train, cfg.digits, cfg.ops, seed=cfg.seed,
-                                exclude={p["prompt"] for p in held_out})
+                                exclude={p["prompt"] for p in held_out}, max_operand=cfg.max_operand)
     return train, held_out

@@ -73,6 +73,13 @@ def server_command(cfg: ServerConfig, port: int) -> tuple[list[str], dict]:
     return cmd + list(cfg.extra_args), env
 
 
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class SGLangServer:
     """Owns one `sglang.launch_server` process (and its children)."""
 
@@ -89,8 +96,10 @@ class SGLangServer:
         cmd, env = server_command(self.cfg, self.port)
         with open(self.log_path, "ab") as log:
             log.write(f"\n$ {' '.join(cmd)}\n".encode())
+            # Own process group (stop() ends all of it), and on Linux the server dies with the trainer process that
+            # started it, even after a SIGKILL of the trainer (SGLang's own children follow their parent).
             self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)  # own process group: stop() ends all of it
+                                            start_new_session=True, preexec_fn=_die_with_parent)
         self.wait_healthy()
         return self
 

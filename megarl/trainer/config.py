@@ -41,9 +41,10 @@ class OptimConfig:
 
 @dataclass
 class SyntheticConfig:
-    """Built-in verifiable task: integer arithmetic "a+b=" with `digits`-digit operands."""
+    """Built-in verifiable task: integer arithmetic "a+b=" with operands of up to `digits` digits (or 0..max_operand)."""
     task: str = "arithmetic"
     digits: int = 2
+    max_operand: Optional[int] = None
     ops: list = field(default_factory=lambda: ["+"])
     num_train: int = 5000
     num_eval: int = 200
@@ -112,6 +113,7 @@ class RLConfig:
     eval_every: int = 0  # 0: evaluate only before and after training
     eval_samples: int = 4  # samples per held-out prompt (pass@1 = mean correctness)
     eval_temperature: Optional[float] = None  # None: rollout.temperature
+    dump_rollouts: bool = False  # write <run_dir>/rollouts/step_N*.jsonl: engine samples and the trained token rows
 
 
 @dataclass

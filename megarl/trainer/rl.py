@@ -131,6 +131,8 @@ class RLTrainer:
                         seq_multiple=self.ps.get_tensor_model_parallel_world_size(),
                         max_tokens_per_microbatch=cfg.rl.max_tokens_per_microbatch, row_multiple=cfg.rl.mini_batches)
         batch = rb.batch
+        if cfg.rl.dump_rollouts:
+            self._dump(step, samples, rb)
 
         # 3. Reference and old-policy log-probs of the engine's tokens.
         with timer("ref"):
@@ -169,6 +171,24 @@ class RLTrainer:
                         "rollout/stale_weight_frac": sum(s.extra.get("weight_version") != f"step-{step - 1}"
                                                          for s in samples) / len(samples) if step > 1 else 0.0})
         return metrics
+
+    def _dump(self, step: int, samples, rb: RankBatch) -> None:
+        """Rank 0: the engine's samples; the first TP/PP rank of each DP rank: the token rows it trains on."""
+        folder = os.path.join(self.cfg.run_dir, "rollouts")
+        os.makedirs(folder, exist_ok=True)
+        if self.rank == 0:
+            with open(os.path.join(folder, f"step_{step:06d}.jsonl"), "w") as f:
+                for s in samples:
+                    f.write(json.dumps({"group": s.group, "prompt_ids": s.prompt_ids, "response_ids": s.response_ids,
+                                        "rollout_log_probs": s.rollout_log_probs, "reward": s.reward,
+                                        "finish_reason": s.finish_reason}) + "\n")
+        if self.ps.get_tensor_model_parallel_rank() == 0 and self.ps.is_pipeline_first_stage(ignore_virtual=True):
+            with open(os.path.join(folder, f"step_{step:06d}.dp{self.dp_rank}.train.jsonl"), "w") as f:
+                for row, index in enumerate(rb.sample_index):
+                    n = len(samples[index].prompt_ids) + len(samples[index].response_ids)
+                    f.write(json.dumps({"sample": index, "input_ids": rb.batch.input_ids[row, :n].tolist(),
+                                        "trained": rb.batch.targets[row][rb.batch.loss_mask[row] > 0].tolist()})
+                            + "\n")
 
     def _log_probs(self, model: list, rb: RankBatch) -> torch.Tensor:
         out = compute_log_probs(model, rb.batch, rb.num_microbatches, self.bridge.vocab_size,
