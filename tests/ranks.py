@@ -5,6 +5,7 @@ import torch
 
 from megarl import parallel
 from megarl.models import ModelBridge, forward_logits, open_model_folder
+from megarl.trainer.setup import wrap_ddp
 
 SEQ = 16
 
@@ -29,20 +30,6 @@ def logits_and_export(path: str, layout: dict) -> dict:
     ps, bridge, chunks = build(path, **layout)
     logits = forward_logits(chunks, input_batches(), vocab_size=bridge.vocab_size)
     return {"logits": logits, "weights": dict(bridge.export_hf_weights(chunks))}
-
-
-def wrap_ddp(chunks, distributed_optimizer: bool = False):
-    """Megatron DDP around each chunk, with the config hooks the schedules call (grad sync, finalize)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                               use_distributed_optimizer=distributed_optimizer)
-    wrapped = [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c,
-                                       disable_bucketing=i > 0) for i, c in enumerate(chunks)]
-    config = chunks[0].config
-    config.no_sync_func = [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    return wrapped
 
 
 def masked_vocab_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -168,3 +168,21 @@ def test_resume_after_sigkill_reproduces_the_metrics(uninterrupted, tmp_path):
     # the engine started by the killed run died with it (PR_SET_PDEATHSIG), no orphan keeps a core busy
     out = subprocess.run(["pgrep", "-f", str(run_dir / "base-model")], capture_output=True, text=True).stdout
     assert not out.strip(), f"orphan processes: {out}"
+
+
+def test_report_renders_the_run(uninterrupted):
+    from megarl import cli
+
+    assert cli.main(["report", str(uninterrupted)]) == 0
+    png, md = uninterrupted / "report.png", (uninterrupted / "report.md").read_text()
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert "| rl: reward/mean |" in md and "| rl: eval/pass_at_1 |" in md
+
+
+def test_cli_config_errors_exit_cleanly(tmp_path, capsys):
+    from megarl import cli
+
+    path = tmp_path / "typo.yaml"
+    path.write_text("model: {path: x}\nrollout: {n_sample: 4}\n")
+    assert cli.main(["train", str(path)]) == 2
+    assert "Did you mean 'rollout.n_samples'" in capsys.readouterr().err

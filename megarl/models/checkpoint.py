@@ -54,10 +54,14 @@ def load_model_checkpoint(chunks: list, ckpt_dir: str) -> None:
 
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"checkpoint folder {ckpt_dir!r} does not exist")
-    state = dist_checkpointing.load(_sharded_state(chunks), ckpt_dir)
+    apply_model_state(chunks, dist_checkpointing.load(_sharded_state(chunks), ckpt_dir), ckpt_dir)
+
+
+def apply_model_state(chunks: list, loaded: dict, where: str) -> None:
+    """Copy the loaded `model{i}` states into the chunks; anything missing or unexpected is an error."""
     for i, chunk in enumerate(chunks):
-        missing, unexpected = chunk.load_state_dict(state[f"model{i}"], strict=False)
+        missing, unexpected = chunk.load_state_dict(loaded[f"model{i}"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
-            raise RuntimeError(f"checkpoint {ckpt_dir} does not match the model: missing {missing[:5]}, "
+            raise RuntimeError(f"checkpoint {where} does not match the model: missing {missing[:5]}, "
                                f"unexpected {unexpected[:5]}")

