@@ -7,5 +7,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash launchers/install.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
-exec .venv/bin/torchrun --nproc_per_node "${NPROC:-1}" --master_port "${MASTER_PORT:-29561}" \
+PORT_ARGS=(--standalone)  # a free rendezvous port; MASTER_PORT=... pins one
+[ -n "${MASTER_PORT:-}" ] && PORT_ARGS=(--master_port "$MASTER_PORT")
+exec .venv/bin/torchrun --nproc_per_node "${NPROC:-1}" "${PORT_ARGS[@]}" \
   -m megarl.cli run configs/quickstart.yaml "$@"

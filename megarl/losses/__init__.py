@@ -5,9 +5,9 @@
 """
 from .rl import (OBJECTIVES, TokenBatch, make_loss_func, place_response_values, prepare_global_batch,
                  reduce_metrics, rl_objective, sft_objective, shift_sequences)
-from .step import compute_log_probs, forward_backward, run_schedule, train_step
+from .step import compute_log_probs, compute_values, forward_backward, run_schedule, train_step
 from .vocab_parallel import vocab_parallel_logprob_entropy
 
-__all__ = ["OBJECTIVES", "TokenBatch", "compute_log_probs", "forward_backward", "make_loss_func",
+__all__ = ["OBJECTIVES", "TokenBatch", "compute_log_probs", "compute_values", "forward_backward", "make_loss_func",
            "place_response_values", "prepare_global_batch", "reduce_metrics", "rl_objective", "run_schedule",
            "sft_objective", "shift_sequences", "train_step", "vocab_parallel_logprob_entropy"]

@@ -20,7 +20,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..algorithms import AlgorithmConfig, POLICY_LOSSES, global_counts, kl_estimate, loss_weights, mismatch_weights
+from ..algorithms import (AlgorithmConfig, POLICY_LOSSES, global_counts, kl_estimate, loss_weights, mismatch_weights,
+                          value_loss)
 from .vocab_parallel import vocab_parallel_logprob_entropy
 
 
@@ -35,6 +36,8 @@ class TokenBatch:
     ref_log_probs: Optional[torch.Tensor] = None
     rollout_log_probs: Optional[torch.Tensor] = None
     segment_ids: Optional[torch.Tensor] = None  # [b, s] packed samples numbered from 1 (0: padding); None: one per row
+    returns: Optional[torch.Tensor] = None  # critic targets (GAE returns)
+    old_values: Optional[torch.Tensor] = None  # the critic's values at rollout time (value clipping anchor)
 
     def rows(self, index) -> "TokenBatch":
         return replace(self, **{f.name: getattr(self, f.name)[index] for f in fields(self)
@@ -147,6 +150,38 @@ def sft_objective(log_prob: torch.Tensor, entropy: torch.Tensor, batch: TokenBat
 
 
 OBJECTIVES: dict[str, Callable] = {"rl": rl_objective, "sft": sft_objective}
+
+
+def value_objective(values: torch.Tensor, batch: TokenBatch, cfg: AlgorithmConfig) -> tuple[torch.Tensor, dict]:
+    """Critic: sum_t clipped value loss_t * loss_weight_t over the response tokens."""
+    mask = batch.loss_mask
+    per_token, stats = value_loss(values, batch.old_values, batch.returns, cfg.value_clip)
+    metrics = {"mean/value_loss": _mean_stat(per_token, mask), "mean/values": _mean_stat(values, mask),
+               "mean/returns": _mean_stat(batch.returns, mask)}
+    for name, value in stats.items():
+        metrics[f"mean/{name}"] = _mean_stat(value, mask)
+    return (per_token * mask * batch.loss_weight).sum(), metrics
+
+
+def values_from_head(output: torch.Tensor) -> torch.Tensor:
+    """[b, s] values from a critic's output ([b, s, 1] from megarl.models.bridge.ValueHead, complete on every TP rank)."""
+    return output[..., 0].float()
+
+
+def make_value_loss_func(batch: TokenBatch, cfg: AlgorithmConfig, *, num_microbatches: int, dp_size: int | None = None):
+    """The critic's loss_func for one micro-batch (same scaling as make_loss_func)."""
+    from megatron.core import parallel_state as ps
+
+    if batch.loss_weight is None:
+        raise ValueError("batch.loss_weight is not set: call prepare_global_batch() on the global batch first")
+    dp_size = dp_size if dp_size is not None else ps.get_data_parallel_world_size()
+
+    def loss_func(output: torch.Tensor):
+        loss, metrics = value_objective(values_from_head(output), batch, cfg)
+        metrics["loss"] = torch.stack([loss.detach(), torch.ones(())])
+        return loss * (num_microbatches * dp_size), metrics
+
+    return loss_func
 
 
 # ---------------------------------------------------------------------------------------------- Megatron adapter

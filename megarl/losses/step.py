@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..models.forward import causal_inputs
-from .rl import TokenBatch, make_loss_func, reduce_metrics
+from .rl import TokenBatch, make_loss_func, make_value_loss_func, reduce_metrics, values_from_head
 from .vocab_parallel import vocab_parallel_logprob_entropy
 
 
@@ -29,6 +29,9 @@ def forward_backward(model: list, global_batch: TokenBatch, num_microbatches: in
     """Accumulate gradients of this rank's share of a prepared global batch; returns the loss functions' metrics."""
     micro_batches = global_batch.split(num_microbatches)
     config = _unwrap(model[0]).config
+    if objective == "value":  # the critic: its "logits" are the value head's output
+        return run_schedule(model, micro_batches, lambda b: make_value_loss_func(b, cfg,
+                                                                                 num_microbatches=num_microbatches))
     return run_schedule(model, micro_batches, lambda b: make_loss_func(
         b, cfg, num_microbatches=num_microbatches, vocab_size=vocab_size, objective=objective, model_config=config))
 
@@ -66,6 +69,23 @@ def compute_log_probs(model: list, global_batch: TokenBatch, num_microbatches: i
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return torch.cat([o["log_probs"] for o in outputs])
+
+
+@torch.no_grad()
+def compute_values(model: list, global_batch: TokenBatch, num_microbatches: int):
+    """The critic's values [b, s] on the last pipeline stage (None elsewhere); 0 outside loss_mask."""
+    from megatron.core import parallel_state as ps
+
+    def loss_func_for(batch):
+        def loss_func(output):
+            values = values_from_head(output)
+            return torch.zeros(()), {"values": values * batch.loss_mask}
+        return loss_func
+
+    outputs = run_schedule(model, global_batch.split(num_microbatches), loss_func_for, forward_only=True)
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return torch.cat([o["values"] for o in outputs])
 
 
 def _unwrap(model):

@@ -114,8 +114,11 @@ class ModelBridge:
         return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, normalization="RMSNorm",
                                           vp_stage=vp_stage)
 
-    def build(self) -> list:
-        """The GPTModel chunks this rank holds (one per virtual pipeline stage), randomly initialised."""
+    def build(self, value_head: bool = False) -> list:
+        """The GPTModel chunks this rank holds (one per virtual pipeline stage), randomly initialised.
+
+        value_head=True builds a critic: the same network with the LM head replaced by a ValueHead (zero-initialised)
+        and untied from the embedding."""
         from megatron.core import parallel_state as ps
         from megatron.core.enums import ModelType
         from megatron.core.models.gpt import GPTModel
@@ -132,18 +135,23 @@ class ModelBridge:
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                 parallel_output=True,
-                share_embeddings_and_output_weights=self.tied,
+                share_embeddings_and_output_weights=self.tied and not value_head,
                 position_embedding_type="rope",
                 rotary_base=self.hf.rope_theta,
                 vp_stage=vp_stage,
             )
             model.model_type = ModelType.encoder_or_decoder
+            if value_head and model.post_process:
+                model.output_layer = self._value_head()
             if not platform.on_gpu():
                 model.to(self.dtype)
             else:
                 model.cuda(torch.cuda.current_device())
             chunks.append(model)
         return chunks
+
+    def _value_head(self):
+        return ValueHead(self.config.hidden_size, bool(self.config.sequence_parallel), self.dtype)
 
     # ---------------------------------------------------------------------------------------------- names
     def canonical_name(self, model, local_name: str) -> str:
@@ -190,11 +198,14 @@ class ModelBridge:
 
     # ----------------------------------------------------------------------------------------------- load
     @torch.no_grad()
-    def load_hf_weights(self, chunks: list) -> None:
-        """Copy the HF weights into this rank's shards. Each rank reads only the tensors it holds."""
+    def load_hf_weights(self, chunks: list, skip_output_layer: bool = False) -> None:
+        """Copy the HF weights into this rank's shards. Each rank reads only the tensors it holds.
+        skip_output_layer: leave the output layer alone (a critic's value head)."""
         for model in chunks:
             for local_name, param, _ in self._tensors(model):
                 canonical = self.canonical_name(model, local_name)
+                if skip_output_layer and canonical == "output_layer.weight":
+                    continue
                 full = self.mb._weight_to_mcore_format(canonical, self.hf.read(self.hf_names(canonical)))
                 expert = is_expert_param(canonical)
                 size, rank = (self.etp, self.etp_rank) if expert else (self.tp, self.tp_rank)
@@ -306,6 +317,31 @@ class ModelBridge:
                         shutil.copy2(src, os.path.join(tmp_dir, name))
             publish_dir(tmp_dir, out_dir)
         dist.barrier()
+
+
+class ValueHead(torch.nn.Module):
+    """A critic's value head in place of GPTModel's output layer: one linear unit, replicated on every TP rank.
+
+    Replicated rather than split over TP so that training (Adam included) is the same at every TP size. Under
+    sequence parallelism each rank sees its slice of the sequence: values are all-gathered along the sequence with a
+    backward that only takes the rank's own slice (no sum over ranks), and the weight is tagged `sequence_parallel` so
+    Megatron's finalize_model_grads all-reduces its gradient over TP, as for the norms. Output [s, b, 1] like logits.
+    """
+
+    def __init__(self, hidden_size: int, sequence_parallel: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel:
+            self.weight.sequence_parallel = True
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        values = torch.nn.functional.linear(hidden_states, self.weight)
+        if self.sequence_parallel:
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
+        return values, None
 
 
 def _unwrap(model):

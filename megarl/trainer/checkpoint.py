@@ -25,10 +25,16 @@ from ..models.checkpoint import apply_model_state, publish_dir
 _STEP = re.compile(r"^step_(\d{6,})$")
 
 
-def _sharded_state(chunks: list, optimizer, is_loading: bool) -> dict:
+def _sharded_state(chunks: list, optimizer, is_loading: bool, critic=None) -> dict:
+    """model{i} + optimizer (the policy; what model.load reads), and critic{i} + critic_optimizer under the key
+    prefix "critic." when there is a critic (its tensors would otherwise share the policy's keys)."""
     state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+    if critic is not None:
+        critic_state = {f"critic{i}": c.sharded_state_dict(prefix="critic.") for i, c in enumerate(critic.chunks)}
+        critic_state["critic_optimizer"] = critic.optimizer.sharded_state_dict(critic_state, is_loading=is_loading)
+        state.update(critic_state)
     return state
 
 
@@ -57,7 +63,7 @@ def write_atomic(path: str, text: str) -> None:
 
 
 def save_checkpoint(ckpt_root: str, step: int, chunks: list, optimizer, scheduler, trainer_state: dict,
-                    keep: int = 2) -> str:
+                    keep: int = 2, critic=None) -> str:
     """Write step_<step> under ckpt_root (a collective over all ranks) and move `latest` to it."""
     from megatron.core import dist_checkpointing
 
@@ -67,13 +73,15 @@ def save_checkpoint(ckpt_root: str, step: int, chunks: list, optimizer, schedule
     dist.broadcast_object_list(names, src=0)
     tmp = names[0]
     if rank == 0:
-        os.makedirs(os.path.join(tmp, "rng"))
+        os.makedirs(tmp)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), tmp)
+    dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False, critic=critic), tmp)
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)  # after the save: it wants an empty folder
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank:05d}.pt"))
     dist.barrier()
     if rank == 0:
         state = dict(trainer_state, step=step, scheduler=scheduler.state_dict() if scheduler else None,
+                     critic_scheduler=critic.scheduler.state_dict() if critic else None,
                      world_size=dist.get_world_size())
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(state, f, indent=1)
@@ -105,7 +113,7 @@ def latest_checkpoint(ckpt_root: str) -> str | None:
     return path
 
 
-def load_checkpoint(path: str, chunks: list, optimizer, scheduler) -> dict:
+def load_checkpoint(path: str, chunks: list, optimizer, scheduler, critic=None) -> dict:
     """Restore model, optimizer, LR schedule and this rank's RNG state; returns the trainer state."""
     from megatron.core import dist_checkpointing
 
@@ -116,8 +124,14 @@ def load_checkpoint(path: str, chunks: list, optimizer, scheduler) -> dict:
         rng_file = None
     else:
         rng_file = os.path.join(path, "rng", f"rank{dist.get_rank():05d}.pt")
-    loaded = dist_checkpointing.load(_sharded_state(chunks, optimizer, is_loading=True), path)
+    loaded = dist_checkpointing.load(_sharded_state(chunks, optimizer, is_loading=True, critic=critic), path)
     apply_model_state(chunks, loaded, path)
+    if critic is not None:
+        strip = lambda d: {k[len("critic."):] if k.startswith("critic.") else k: v for k, v in d.items()}  # noqa: E731
+        apply_model_state(critic.chunks, {f"model{i}": strip(loaded[f"critic{i}"]) for i in range(len(critic.chunks))},
+                          path)
+        critic.optimizer.load_state_dict(loaded["critic_optimizer"])
+        critic.scheduler.load_state_dict(state["critic_scheduler"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and state.get("scheduler"):

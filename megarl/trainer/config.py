@@ -110,6 +110,8 @@ class RLConfig:
     mini_batches: int = 1  # optimizer steps per ppo epoch
     max_tokens_per_microbatch: int = 8192
     ref_model: Optional[bool] = None  # None: only when algorithm.kl_coef > 0
+    critic_lr: float = 1e-5  # the critic's learning rate (algorithm.use_critic, PPO with gae)
+    offload_ref: bool = True  # GPU: keep the reference model in host memory between uses (no-op on CPU)
     eval_every: int = 0  # 0: evaluate only before and after training
     eval_samples: int = 4  # samples per held-out prompt (pass@1 = mean correctness)
     eval_temperature: Optional[float] = None  # None: rollout.temperature
@@ -174,9 +176,6 @@ class TrainConfig:
         if (self.model.path is None) == (self.model.tiny is None):
             raise ConfigError("set exactly one of model.path (an HF folder) and model.tiny (a tiny random model)")
         self.algorithm.validate()
-        if self.algorithm.use_critic:
-            raise ConfigError("algorithm.use_critic: the trainer has no critic (value model) yet, so gae cannot run. "
-                              "Fix: a critic-free estimator (grpo, dr_grpo, rloo, reinforce_plus_plus[_baseline])")
         _choice("rollout.overlong", self.rollout.overlong, ("none", "mask", "penalty"))
         _choice("rollout.old_log_probs", self.rollout.old_log_probs, ("recompute", "rollout"))
         _choice("reshard.transport", self.reshard.transport, ("tensor", "distributed", "disk"))

@@ -21,7 +21,7 @@ from .. import parallel, platform
 from ..algorithms import compute_advantages, kl_estimate
 from ..config import to_dict
 from ..data import ChatTokenizer, load_prompts
-from ..losses import compute_log_probs, prepare_global_batch, train_step
+from ..losses import compute_log_probs, compute_values, prepare_global_batch, train_step
 from ..reshard import TRANSPORTS, SyncConfig, WeightSync
 from ..rewards import RewardPool
 from ..rollout import EngineClient, EngineRouter, ServerConfig, SGLangServer
@@ -29,7 +29,7 @@ from .batching import RankBatch, rank_batch
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .logging import MetricsLog, PhaseTimer
 from .rollout import PromptStream, Rollout, rollout_metrics
-from .setup import build_policy, build_reference, init_parallel, prepare_model_folder, resolve_load
+from .setup import build_critic, build_policy, build_reference, init_parallel, prepare_model_folder, resolve_load
 
 logger = logging.getLogger("megarl")
 
@@ -57,6 +57,11 @@ class RLTrainer:
         self.bridge = self.policy.bridge
         use_ref = cfg.rl.ref_model if cfg.rl.ref_model is not None else cfg.algorithm.kl_coef > 0
         self.ref = build_reference(self.bridge, self.policy.chunks) if use_ref else None
+        if self.ref is not None and cfg.rl.offload_ref and platform.on_gpu():
+            for chunk in self.ref:
+                chunk.cpu()
+        self.critic = build_critic(self.bridge, self.policy.chunks, cfg.optim, cfg.rl.critic_lr, updates) \
+            if cfg.algorithm.use_critic else None
         self.ckpt_root = os.path.join(cfg.run_dir, "checkpoints")
         self.step, self.state = 0, {}
         self._start_rollout_side()
@@ -108,8 +113,8 @@ class RLTrainer:
             os.path.isdir(self.ckpt_root) else None
         if path is None:
             return
-        self.state = load_checkpoint(path, self.policy.chunks, self.policy.optimizer,
-                                     self.policy.scheduler)
+        self.state = load_checkpoint(path, self.policy.chunks, self.policy.optimizer, self.policy.scheduler,
+                                     critic=self.critic)
         self.step = self.state["step"]
         if self.rank == 0:
             self.stream.load(self.state["data"])
@@ -136,14 +141,20 @@ class RLTrainer:
 
         # 3. Reference and old-policy log-probs of the engine's tokens.
         with timer("ref"):
-            batch.ref_log_probs = self._log_probs(self.ref, rb) if self.ref is not None else None
+            batch.ref_log_probs = self._ref_log_probs(rb) if self.ref is not None else None
         with timer("old_log_prob"):
             batch.old_log_probs = self._log_probs(self.policy.model, rb) \
                 if cfg.rollout.old_log_probs == "recompute" else batch.rollout_log_probs
+        mismatch = self._mismatch(batch) if cfg.rollout.old_log_probs == "recompute" else {}
 
-        # 4. Advantages (groups are whole on this rank; batch-level statistics reduce over DP).
+        # 4. Advantages (groups are whole on this rank; batch-level statistics reduce over DP); with a critic, its
+        #    values at rollout time and GAE returns.
+        if self.critic is not None:
+            with timer("values"):
+                values = compute_values(self.critic.model, batch, rb.num_microbatches)
+                batch.old_values = values if values is not None else torch.zeros_like(batch.loss_mask)
         with timer("advantages"):
-            batch.advantages = self._advantages(samples, rb)
+            batch.advantages, batch.returns = self._advantages(samples, rb)
 
         # 5. PPO epochs x mini-batches, each one optimizer step through Megatron's schedule.
         train = []
@@ -154,16 +165,22 @@ class RLTrainer:
                     mini = prepare_global_batch(batch.rows(slice(k * rows, (k + 1) * rows)), cfg.algorithm.aggregation,
                                                 cfg.algorithm.norm_length, self.ps.get_data_parallel_group())
                     num_mb = max(1, rb.num_microbatches // cfg.rl.mini_batches)
-                    train.append(train_step(self.policy.model, self.policy.optimizer, mini, num_mb, cfg.algorithm,
-                                            self.bridge.vocab_size))
+                    metrics = train_step(self.policy.model, self.policy.optimizer, mini, num_mb, cfg.algorithm,
+                                         self.bridge.vocab_size)
                     self.policy.scheduler.step(1)
+                    if self.critic is not None:
+                        critic = train_step(self.critic.model, self.critic.optimizer, mini, num_mb, cfg.algorithm,
+                                            self.bridge.vocab_size, objective="value")
+                        self.critic.scheduler.step(1)
+                        metrics.update({f"critic/{k}": v for k, v in critic.items()})
+                    train.append(metrics)
 
         # 6. Reshard: the engines get the new weights (verified on the first sync and every reshard.verify_every).
         with timer("reshard"):
             sync_stats = self.sync_weights(f"step-{step}")
 
         metrics = {k: sum(t[k] for t in train) / len(train) for k in train[0]}
-        metrics.update(rollout_metrics(samples, cfg.rollout.max_new_tokens), **stats, **timer.take())
+        metrics.update(rollout_metrics(samples, cfg.rollout.max_new_tokens), **stats, **mismatch, **timer.take())
         metrics.update({f"reshard/{k}": v for k, v in sync_stats.items() if isinstance(v, (int, float))})
         elapsed = time.perf_counter() - start
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -190,25 +207,52 @@ class RLTrainer:
                                         "trained": rb.batch.targets[row][rb.batch.loss_mask[row] > 0].tolist()})
                             + "\n")
 
+    def _ref_log_probs(self, rb: RankBatch) -> torch.Tensor:
+        """The frozen reference's log-probs; on GPU with rl.offload_ref it lives in host memory except here."""
+        offload = self.cfg.rl.offload_ref and platform.on_gpu()
+        if offload:
+            for chunk in self.ref:
+                chunk.cuda()
+        try:
+            return self._log_probs(self.ref, rb)
+        finally:
+            if offload:
+                for chunk in self.ref:
+                    chunk.cpu()
+                torch.cuda.empty_cache()
+
     def _log_probs(self, model: list, rb: RankBatch) -> torch.Tensor:
         out = compute_log_probs(model, rb.batch, rb.num_microbatches, self.bridge.vocab_size,
                                 temperature=self.cfg.algorithm.temperature)
         return out if out is not None else torch.zeros_like(rb.batch.loss_mask)
 
-    def _advantages(self, samples, rb: RankBatch) -> torch.Tensor:
+    def _mismatch(self, batch) -> dict:
+        """Trainer vs engine on the same tokens before any update: |old log-prob - rollout log-prob| over the global
+        batch (only the last pipeline stage's TP-rank-0 ranks hold log-probs; the others add zeros)."""
+        holder = self.ps.is_pipeline_last_stage(ignore_virtual=True) and self.ps.get_tensor_model_parallel_rank() == 0
+        diff = (batch.old_log_probs - batch.rollout_log_probs).abs() * batch.loss_mask
+        sums = torch.stack([diff.sum(), batch.loss_mask.sum()]).double() * holder
+        peak = diff.max().double().reshape(1) * holder if diff.numel() else torch.zeros(1, dtype=torch.float64)
+        dist.all_reduce(sums)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return {"mismatch/logprob_abs_diff": float(sums[0] / sums[1].clamp(min=1)),
+                "mismatch/logprob_abs_diff_max": float(peak[0])}
+
+    def _advantages(self, samples, rb: RankBatch) -> tuple[torch.Tensor, torch.Tensor]:
         cfg, batch, real = self.cfg.algorithm, rb.batch, len(rb.sample_index)
-        out = torch.zeros_like(batch.loss_mask)
+        advantages, returns = torch.zeros_like(batch.loss_mask), torch.zeros_like(batch.loss_mask)
         scores = torch.tensor([samples[i].score for i in rb.sample_index], dtype=torch.float32)
         groups = torch.tensor([samples[i].group for i in rb.sample_index])
         kl = None
         if cfg.kl_in_reward and batch.ref_log_probs is not None:
             kl = kl_estimate(batch.old_log_probs[:real], batch.ref_log_probs[:real], cfg.kl_estimator)
-        adv, _ = compute_advantages(cfg.advantage_estimator, scores=scores, group_ids=groups,
-                                    mask=batch.loss_mask[:real], kl=kl, kl_coef=cfg.kl_coef, gamma=cfg.gamma,
-                                    lam=cfg.lam, reward_weights=cfg.reward_weights,
-                                    group=self.ps.get_data_parallel_group())
-        out[:real] = adv
-        return out
+        values = batch.old_values[:real] if batch.old_values is not None else None
+        adv, ret = compute_advantages(cfg.advantage_estimator, scores=scores, group_ids=groups,
+                                      mask=batch.loss_mask[:real], kl=kl, kl_coef=cfg.kl_coef, gamma=cfg.gamma,
+                                      lam=cfg.lam, reward_weights=cfg.reward_weights, values=values,
+                                      group=self.ps.get_data_parallel_group())
+        advantages[:real], returns[:real] = adv, ret
+        return advantages, returns
 
     # ------------------------------------------------------------------------------------------ engine side
     def _engines(self, method: str) -> None:
@@ -264,7 +308,7 @@ class RLTrainer:
             state["data"] = self.stream.state()
         state = broadcast(state)
         save_checkpoint(self.ckpt_root, self.step, self.policy.chunks, self.policy.optimizer, self.policy.scheduler,
-                        state, keep=self.cfg.checkpoint.keep)
+                        state, keep=self.cfg.checkpoint.keep, critic=self.critic)
 
     def _summary(self, after: dict) -> dict:
         before = self.state.get("eval_before") or {}

@@ -82,7 +82,12 @@ class Rollout:
             return completions, self.rewards.submit(texts)
 
         samples = []
-        for piece, (completions, scored) in zip(pieces, self._threads.map(run, pieces)):
+        results = self._threads.map(run, pieces)
+        if self.cfg.logging.progress:
+            from tqdm import tqdm
+
+            results = tqdm(results, total=len(pieces), desc="generate", unit="req", leave=False, dynamic_ncols=True)
+        for piece, (completions, scored) in zip(pieces, results):
             rewards = self.rewards.result(scored, len(piece))
             for (g, r, _), c, reward in zip(piece, completions, rewards):
                 if len(c.output_log_probs) != len(c.output_ids):

@@ -99,15 +99,32 @@ def build_policy(folder, optim, total_steps: int, load: str | None = None) -> Po
     return Policy(bridge, chunks, model, optimizer, scheduler)
 
 
+def build_critic(bridge: ModelBridge, policy_chunks: list, optim, lr: float, total_steps: int) -> Policy:
+    """The PPO critic: the policy's network and current weights with a zero-initialised value head, its own DDP
+    wrapper, optimizer and schedule."""
+    chunks = bridge.build(value_head=True)
+    _copy_weights(policy_chunks, chunks, skip=("output_layer",))
+    model = wrap_ddp(chunks, optim.distributed_optimizer)
+    optimizer, scheduler = make_optimizer(
+        model, lr, 0.0, optim.warmup_steps, "constant", total_steps, weight_decay=optim.weight_decay,
+        betas=(optim.adam_beta1, optim.adam_beta2), clip_grad=optim.clip_grad, distributed=optim.distributed_optimizer)
+    return Policy(bridge, chunks, model, optimizer, scheduler)
+
+
+@torch.no_grad()
+def _copy_weights(source: list, target: list, skip: tuple = ()) -> None:
+    for src, dst in zip(source, target):
+        values = src.state_dict(keep_vars=True)
+        for name, tensor in dst.state_dict(keep_vars=True).items():
+            if torch.is_tensor(tensor) and name in values and not any(k in name for k in skip) \
+                    and torch.is_tensor(values[name]) and values[name].shape == tensor.shape:
+                tensor.copy_(values[name])
+
+
 def build_reference(bridge: ModelBridge, policy_chunks: list) -> list:
     """A frozen copy of the policy's current weights (the KL anchor), in eval mode with no gradients."""
     chunks = bridge.build()
-    with torch.no_grad():
-        for ref, live in zip(chunks, policy_chunks):
-            for (_, p_ref), (_, p_live) in zip(ref.state_dict(keep_vars=True).items(),
-                                               live.state_dict(keep_vars=True).items()):
-                if torch.is_tensor(p_ref):
-                    p_ref.copy_(p_live)
+    _copy_weights(policy_chunks, chunks)
     for chunk in chunks:
         chunk.eval()
         chunk.requires_grad_(False)
