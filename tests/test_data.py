@@ -100,3 +100,19 @@ def test_synthetic_sft_samples_train_only_the_answer(tok):
     for sample, problem in zip(samples, train):
         trained = tok.tok.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m])
         assert trained == problem["answer"] + "<|im_end|>"
+
+
+def test_sft_answer_noise_corrupts_the_requested_share(tok):
+    from megarl.data.synthetic import noisy_answers
+
+    train, _ = synthetic_splits(SyntheticConfig(num_train=2000, num_eval=10))
+    noisy = noisy_answers(train, 0.3, seed=5)
+    wrong = [int(a["answer"]) - int(b["answer"]) for a, b in zip(noisy, train) if a["answer"] != b["answer"]]
+    assert 0.25 < len(wrong) / len(train) < 0.35 and all(1 <= abs(d) <= 3 for d in wrong)
+    assert [p["prompt"] for p in noisy] == [p["prompt"] for p in train]
+    assert noisy_answers(train, 0.0, seed=5) == train
+    cfg = DataConfig(synthetic=SyntheticConfig(num_train=50, num_eval=5, sft_answer_noise=0.5))
+    answers = [tok.tok.decode([t for t, m in zip(s.input_ids, s.loss_mask) if m]) for s in
+               load_sft_samples("synthetic", tok, cfg)]
+    truth, _ = synthetic_splits(cfg.synthetic)
+    assert 10 < sum(a != t["answer"] + "<|im_end|>" for a, t in zip(answers, truth)) < 40

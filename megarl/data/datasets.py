@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 from .chat import ChatTokenizer, SFTSample
-from .synthetic import synthetic_splits
+from .synthetic import noisy_answers, synthetic_splits
 
 
 class DataError(ValueError):
@@ -109,6 +109,7 @@ def load_sft_samples(spec: str, tokenizer: ChatTokenizer, cfg) -> list[SFTSample
     "synthetic" (the synthetic task's training problems with their answers as the assistant turn)."""
     if spec == "synthetic":
         train, _ = synthetic_splits(cfg.synthetic)
+        train = noisy_answers(train, cfg.synthetic.sft_answer_noise, cfg.synthetic.seed + 2)
         records = [(f"synthetic:train[{i}]", {cfg.messages_key: [{"role": "user", "content": r["prompt"]},
                                                                  {"role": "assistant", "content": r["answer"]}]})
                    for i, r in enumerate(train)]

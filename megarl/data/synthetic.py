@@ -42,3 +42,17 @@ def synthetic_splits(cfg) -> tuple[list[dict], list[dict]]:
     train = arithmetic_problems(cfg.num_train, cfg.digits, cfg.ops, seed=cfg.seed,
                                 exclude={p["prompt"] for p in held_out}, max_operand=cfg.max_operand)
     return train, held_out
+
+
+def noisy_answers(problems: list[dict], share: float, seed: int) -> list[dict]:
+    """A copy of `problems` where a `share` of the answers are wrong by a small nonzero amount (-3..3): imperfect
+    demonstrations for an SFT cold start, which a verifier-rewarded RL stage can then correct."""
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"data.synthetic.sft_answer_noise={share} must be in [0, 1)")
+    rng = random.Random(seed)
+    out = []
+    for p in problems:
+        if rng.random() < share:
+            p = dict(p, answer=str(int(p["answer"]) + rng.choice([-3, -2, -1, 1, 2, 3])))
+        out.append(p)
+    return out

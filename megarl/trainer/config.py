@@ -49,6 +49,7 @@ class SyntheticConfig:
     num_train: int = 5000
     num_eval: int = 200
     seed: int = 1234  # the held-out set never overlaps the training set
+    sft_answer_noise: float = 0.0  # share of SFT demonstrations with a wrong answer (imperfect cold-start data)
 
 
 @dataclass
@@ -122,6 +123,7 @@ class RLConfig:
 class SFTConfig:
     data: str = "synthetic"  # chat JSONL ({"messages": [...]}) or synthetic (the synthetic task's answers)
     max_samples: Optional[int] = None  # use only the first N samples (a small demonstration set before RL)
+    weight_decay: float = 0.0
     steps: int = 200
     batch_size: int = 64  # sequences (before packing) per optimizer step
     max_seq_len: int = 512

@@ -63,7 +63,7 @@ def run_sft(cfg) -> dict:
 
     tok = ChatTokenizer.from_pretrained(model_path)
     samples = load_sft_samples(s.data, tok, cfg.data)[: s.max_samples]
-    optim = type(cfg.optim)(**{**to_dict(cfg.optim), "lr": s.lr, "min_lr": s.min_lr,
+    optim = type(cfg.optim)(**{**to_dict(cfg.optim), "lr": s.lr, "min_lr": s.min_lr, "weight_decay": s.weight_decay,
                                "warmup_steps": s.warmup_steps, "decay_style": s.decay_style})
     load = None if cfg.model.load == "sft" else resolve_load(cfg)  # "sft" is what this run produces
     policy = build_policy(model_path, optim, s.steps, load=load)
