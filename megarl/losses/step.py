@@ -51,41 +51,38 @@ def train_step(model: list, optimizer, global_batch: TokenBatch, num_microbatche
 
 
 @torch.no_grad()
-def compute_log_probs(model: list, global_batch: TokenBatch, num_microbatches: int, vocab_size: int,
-                      temperature: float = 1.0):
-    """Log-probs [b, s] of the batch's targets under `model` (old or reference policy), on the last pipeline stage
-    (None elsewhere); positions outside loss_mask are 0."""
-    from megatron.core import parallel_state as ps
-
-    def loss_func_for(batch):
-        def loss_func(logits):
-            log_prob, _ = vocab_parallel_logprob_entropy(logits, batch.targets, vocab_size=vocab_size,
-                                                         temperature=temperature,
-                                                         group=ps.get_tensor_model_parallel_group())
-            return torch.zeros(()), {"log_probs": log_prob * batch.loss_mask}
-        return loss_func
-
-    outputs = run_schedule(model, global_batch.split(num_microbatches), loss_func_for, forward_only=True)
-    if not ps.is_pipeline_last_stage(ignore_virtual=True):
-        return None
-    return torch.cat([o["log_probs"] for o in outputs])
-
-
-@torch.no_grad()
-def compute_values(model: list, global_batch: TokenBatch, num_microbatches: int):
-    """The critic's values [b, s] on the last pipeline stage (None elsewhere); 0 outside loss_mask."""
+def forward_only(model: list, global_batch: TokenBatch, num_microbatches: int, per_token):
+    """per_token(model_output, micro_batch) -> [b, s] for every micro-batch through the forward-only schedule,
+    concatenated and masked by loss_mask; on the last pipeline stage (None elsewhere)."""
     from megatron.core import parallel_state as ps
 
     def loss_func_for(batch):
         def loss_func(output):
-            values = values_from_head(output)
-            return torch.zeros(()), {"values": values * batch.loss_mask}
+            return torch.zeros(()), {"values": per_token(output, batch) * batch.loss_mask}
         return loss_func
 
     outputs = run_schedule(model, global_batch.split(num_microbatches), loss_func_for, forward_only=True)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return torch.cat([o["values"] for o in outputs])
+
+
+def compute_log_probs(model: list, global_batch: TokenBatch, num_microbatches: int, vocab_size: int,
+                      temperature: float = 1.0):
+    """Log-probs [b, s] of the batch's targets under `model` (old or reference policy), on the last pipeline stage
+    (None elsewhere); positions outside loss_mask are 0."""
+    from megatron.core import parallel_state as ps
+
+    def log_probs(logits, batch):
+        return vocab_parallel_logprob_entropy(logits, batch.targets, vocab_size=vocab_size, temperature=temperature,
+                                              group=ps.get_tensor_model_parallel_group())[0]
+
+    return forward_only(model, global_batch, num_microbatches, log_probs)
+
+
+def compute_values(model: list, global_batch: TokenBatch, num_microbatches: int):
+    """The critic's values [b, s] on the last pipeline stage (None elsewhere); 0 outside loss_mask."""
+    return forward_only(model, global_batch, num_microbatches, lambda output, batch: values_from_head(output))
 
 
 def _unwrap(model):
