@@ -93,10 +93,3 @@ def rank_batch(samples: list[Sample], dp_rank: int, dp_size: int, pad_id: int, s
     mine = shares[dp_rank]
     return RankBatch(token_batch([samples[i] for i in mine], rows, seq_len, pad_id), mine, num_mb)
 
-
-def sequence_values(per_sample: list[float], rb: RankBatch) -> torch.Tensor:
-    """A per-sample value (score, group id) for each row of a RankBatch; padding rows get 0."""
-    out = torch.zeros(rb.batch.input_ids.shape[0], dtype=torch.float32)
-    for row, index in enumerate(rb.sample_index):
-        out[row] = float(per_sample[index])
-    return out

@@ -183,14 +183,12 @@ class TrainConfig:
         _choice("reshard.transport", self.reshard.transport, ("tensor", "distributed", "disk"))
         _choice("logging.wandb", self.logging.wandb, ("offline", "online", "disabled"))
         for name in ("optim.decay_style", "sft.decay_style"):
-            section, key = name.split(".")
-            _choice(name, getattr(getattr(self, section), key), ("constant", "linear", "cosine"))
+            _choice(name, self._value(name), ("constant", "linear", "cosine"))
         for name in ("rollout.prompts_per_step", "rollout.n_samples", "rollout.max_new_tokens", "rl.steps",
                      "rl.ppo_epochs", "rl.mini_batches", "rl.max_tokens_per_microbatch", "sft.batch_size",
                      "sft.max_seq_len", "reshard.bucket_mb", "rollout.request_size", "reward.workers"):
-            section, key = name.split(".")
-            if getattr(getattr(self, section), key) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(getattr(self, section), key)}")
+            if self._value(name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {self._value(name)}")
         if self.rollout.prompts_per_step % self.rl.mini_batches:
             raise ConfigError(f"rollout.prompts_per_step={self.rollout.prompts_per_step} must be divisible by "
                               f"rl.mini_batches={self.rl.mini_batches} (each mini-batch takes whole groups)")
@@ -205,6 +203,10 @@ class TrainConfig:
                               f"{self.rollout.temperature}: the trainer's log-probs must be of the distribution the "
                               "engine sampled from")
         return self
+
+    def _value(self, dotted: str):
+        section, key = dotted.split(".")
+        return getattr(getattr(self, section), key)
 
 
 def _choice(name: str, value, choices) -> None:

@@ -1,4 +1,4 @@
-"""The RL trainer. `RLTrainer.step()` is one RL step, top to bottom:
+"""The RL trainer. `RLTrainer.step_once()` is one RL step, top to bottom:
 
     rollout (rank 0 -> SGLang, rewards in parallel) -> this DP rank's token batch -> reference log-probs ->
     old log-probs -> advantages -> ppo_epochs x mini-batches through Megatron's pipeline schedule -> reshard the new
@@ -40,26 +40,30 @@ def broadcast(obj, src: int = 0):
     return box[0]
 
 
+def _on_every_stage(per_token: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Forward-only results exist on the last pipeline stage; the other stages, which compute no loss, get zeros."""
+    return per_token if per_token is not None else torch.zeros_like(like)
+
+
 class RLTrainer:
     def __init__(self, cfg):
         self.cfg, self.started = cfg, time.perf_counter()
         parallel.initialize(cfg.parallel)
         self.rank = dist.get_rank()
         self.model_path = prepare_model_folder(cfg)
-        init_parallel(cfg, self.model_path)
+        folder = init_parallel(cfg, self.model_path)
         from megatron.core import parallel_state as ps
 
         self.ps = ps
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.tok = ChatTokenizer.from_pretrained(self.model_path)
         updates = cfg.rl.steps * cfg.rl.ppo_epochs * cfg.rl.mini_batches
-        self.policy = build_policy(self.model_path, cfg.optim, updates, load=resolve_load(cfg))
+        self.policy = build_policy(folder, cfg.optim, updates, load=resolve_load(cfg))
         self.bridge = self.policy.bridge
         use_ref = cfg.rl.ref_model if cfg.rl.ref_model is not None else cfg.algorithm.kl_coef > 0
         self.ref = build_reference(self.bridge, self.policy.chunks) if use_ref else None
-        if self.ref is not None and cfg.rl.offload_ref and platform.on_gpu():
-            for chunk in self.ref:
-                chunk.cpu()
+        self._offload_ref = self.ref is not None and cfg.rl.offload_ref and platform.on_gpu()
+        self._place_ref("cpu")
         self.critic = build_critic(self.bridge, self.policy.chunks, cfg.optim, cfg.rl.critic_lr, updates) \
             if cfg.algorithm.use_critic else None
         self.ckpt_root = os.path.join(cfg.run_dir, "checkpoints")
@@ -151,8 +155,8 @@ class RLTrainer:
         #    values at rollout time and GAE returns.
         if self.critic is not None:
             with timer("values"):
-                values = compute_values(self.critic.model, batch, rb.num_microbatches)
-                batch.old_values = values if values is not None else torch.zeros_like(batch.loss_mask)
+                batch.old_values = _on_every_stage(compute_values(self.critic.model, batch, rb.num_microbatches),
+                                                   batch.loss_mask)
         with timer("advantages"):
             batch.advantages, batch.returns = self._advantages(samples, rb)
 
@@ -180,7 +184,7 @@ class RLTrainer:
             sync_stats = self.sync_weights(f"step-{step}")
 
         metrics = {k: sum(t[k] for t in train) / len(train) for k in train[0]}
-        metrics.update(rollout_metrics(samples, cfg.rollout.max_new_tokens), **stats, **mismatch, **timer.take())
+        metrics.update(rollout_metrics(samples), **stats, **mismatch, **timer.take())
         metrics.update({f"reshard/{k}": v for k, v in sync_stats.items() if isinstance(v, (int, float))})
         elapsed = time.perf_counter() - start
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -207,24 +211,25 @@ class RLTrainer:
                                         "trained": rb.batch.targets[row][rb.batch.loss_mask[row] > 0].tolist()})
                             + "\n")
 
+    def _place_ref(self, device: str) -> None:
+        """GPU with rl.offload_ref: the reference lives in host memory except while it computes log-probs."""
+        if not self._offload_ref:
+            return
+        for chunk in self.ref:
+            chunk.to(device if device == "cpu" else torch.cuda.current_device())
+        if device == "cpu":
+            torch.cuda.empty_cache()
+
     def _ref_log_probs(self, rb: RankBatch) -> torch.Tensor:
-        """The frozen reference's log-probs; on GPU with rl.offload_ref it lives in host memory except here."""
-        offload = self.cfg.rl.offload_ref and platform.on_gpu()
-        if offload:
-            for chunk in self.ref:
-                chunk.cuda()
+        self._place_ref("cuda")
         try:
             return self._log_probs(self.ref, rb)
         finally:
-            if offload:
-                for chunk in self.ref:
-                    chunk.cpu()
-                torch.cuda.empty_cache()
+            self._place_ref("cpu")
 
     def _log_probs(self, model: list, rb: RankBatch) -> torch.Tensor:
-        out = compute_log_probs(model, rb.batch, rb.num_microbatches, self.bridge.vocab_size,
-                                temperature=self.cfg.algorithm.temperature)
-        return out if out is not None else torch.zeros_like(rb.batch.loss_mask)
+        return _on_every_stage(compute_log_probs(model, rb.batch, rb.num_microbatches, self.bridge.vocab_size,
+                                                 temperature=self.cfg.algorithm.temperature), rb.batch.loss_mask)
 
     def _mismatch(self, batch) -> dict:
         """Trainer vs engine on the same tokens before any update: |old log-prob - rollout log-prob| over the global
@@ -303,10 +308,7 @@ class RLTrainer:
         return self._summary(after)
 
     def save(self) -> None:
-        state = dict(self.state)
-        if self.rank == 0:
-            state["data"] = self.stream.state()
-        state = broadcast(state)
+        state = dict(self.state, data=self.stream.state()) if self.rank == 0 else {}  # rank 0 writes it
         save_checkpoint(self.ckpt_root, self.step, self.policy.chunks, self.policy.optimizer, self.policy.scheduler,
                         state, keep=self.cfg.checkpoint.keep, critic=self.critic)
 

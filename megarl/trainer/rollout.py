@@ -111,7 +111,7 @@ class Rollout:
                                     ro.max_new_tokens)
             rounds += 1
             for g in range(len(records)):
-                group = [s for s in samples if s.group == g]
+                group = samples[g * ro.n_samples:(g + 1) * ro.n_samples]  # generate() keeps prompt order
                 varied = len({s.reward for s in group}) > 1
                 (kept if varied or not ro.dynamic_sampling else dropped).append(group)
         all_groups = kept + dropped[: ro.prompts_per_step - len(kept)]  # refill with zero-variance groups
@@ -152,7 +152,7 @@ class Rollout:
         self._threads.shutdown(wait=False)
 
 
-def rollout_metrics(samples: list[Sample], max_new_tokens: int) -> dict:
+def rollout_metrics(samples: list[Sample]) -> dict:
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
     return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(samples) > 1 else 0.0,

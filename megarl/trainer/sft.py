@@ -38,13 +38,7 @@ def sft_batch(rows, dp_rank: int, dp_size: int, pad_id: int, seq_multiple: int, 
     per_rank = math.ceil(len(rows) / dp_size)
     num_mb = micro_batches_for(per_rank, seq_len, max_tokens)
     per_rank = int(math.ceil(per_rank / num_mb) * num_mb)
-    ids, targets, mask, segments = rows_to_tensors(mine, pad_id, seq_len)
-    pad = per_rank - ids.shape[0]
-    if pad:
-        ids = torch.cat([ids, torch.full((pad, seq_len), pad_id, dtype=torch.long)])
-        targets = torch.cat([targets, torch.full((pad, seq_len), pad_id, dtype=torch.long)])
-        mask = torch.cat([mask, torch.zeros(pad, seq_len)])
-        segments = torch.cat([segments, torch.zeros(pad, seq_len, dtype=torch.long)])
+    ids, targets, mask, segments = rows_to_tensors(mine + [[]] * (per_rank - len(mine)), pad_id, seq_len)
     return TokenBatch(input_ids=ids, targets=targets, loss_mask=mask, segment_ids=segments), num_mb
 
 
@@ -58,7 +52,7 @@ def run_sft(cfg) -> dict:
     parallel.initialize(cfg.parallel)
     rank = dist.get_rank()
     model_path = prepare_model_folder(cfg)
-    init_parallel(cfg, model_path)
+    folder = init_parallel(cfg, model_path)
     from megatron.core import parallel_state as ps
 
     tok = ChatTokenizer.from_pretrained(model_path)
@@ -66,7 +60,7 @@ def run_sft(cfg) -> dict:
     optim = type(cfg.optim)(**{**to_dict(cfg.optim), "lr": s.lr, "min_lr": s.min_lr, "weight_decay": s.weight_decay,
                                "warmup_steps": s.warmup_steps, "decay_style": s.decay_style})
     load = None if cfg.model.load == "sft" else resolve_load(cfg)  # "sft" is what this run produces
-    policy = build_policy(model_path, optim, s.steps, load=load)
+    policy = build_policy(folder, optim, s.steps, load=load)
     out_dir = sft_dir(cfg)
     ckpt_root = os.path.join(out_dir, "checkpoints")
     step, state = 0, {}
