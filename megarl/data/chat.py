@@ -46,6 +46,28 @@ class ChatTokenizer:
     def prompt_ids(self, messages: list[dict], tools=None) -> list[int]:
         return self.encode(self.render(messages, add_generation_prompt=True, tools=tools))
 
+    def response_ids(self, messages: list[dict], response: str, tools=None) -> list[int]:
+        """The ids of `response` as the assistant turn after `messages` (content and end-of-turn token, as the chat
+        template writes it), tokenised on its own: what a model continuing prompt_ids(messages) would generate."""
+        prompt = self.render(messages, add_generation_prompt=True, tools=tools)
+        full = self.render(list(messages) + [{"role": "assistant", "content": response}], tools=tools)
+        if not full.startswith(prompt):
+            raise ValueError("the chat template renders the assistant turn differently from its generation prompt")
+        return self.encode(full[len(prompt):len(full.rstrip("\n"))])
+
+    def continuation_ids(self, messages: list[dict], tools=None) -> list[int]:
+        """Token ids the chat template writes after a finished assistant turn for `messages` (e.g. tool results) up to
+        and including the next assistant header. Rendered after a placeholder conversation and cut where the
+        assistant's end-of-turn token ends, so the ids continue the engine's own tokens (which end with that token)
+        without re-tokenising them."""
+        base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "."}]
+        before = self.render(base, tools=tools)
+        after = self.render(base + list(messages), add_generation_prompt=True, tools=tools)
+        if not after.startswith(before):
+            raise ValueError("the chat template rewrites earlier turns when tool messages follow; megarl cannot "
+                             "append observations token-in/token-out with it")
+        return self.encode(after[len(before.rstrip("\n")):])
+
     @property
     def pad_id(self) -> int:
         pad = self.tok.pad_token_id

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 from .chat import ChatTokenizer, SFTSample
-from .synthetic import noisy_answers, synthetic_splits
+from .synthetic import noisy_answers, synthetic_splits, tool_use_demonstrations
 
 
 class DataError(ValueError):
@@ -83,8 +83,9 @@ def _check_messages(where: str, messages, key: str) -> None:
             raise DataError(f"{where}: {key}[{i}].role={m['role']!r}; expected system/user/assistant/tool")
 
 
-def load_prompts(spec: str, tokenizer: ChatTokenizer, cfg, split: str = "train") -> list[PromptRecord]:
-    """Prompt records for RL. spec: a file path, or "synthetic" (cfg.synthetic's train or held-out split)."""
+def load_prompts(spec: str, tokenizer: ChatTokenizer, cfg, split: str = "train", tools=None) -> list[PromptRecord]:
+    """Prompt records for RL. spec: a file path, or "synthetic" (cfg.synthetic's train or held-out split). tools: tool
+    schemas the chat template renders into every prompt (multi-turn tool use)."""
     if spec == "synthetic":
         train, held_out = synthetic_splits(cfg.synthetic)
         records = [(f"synthetic:{split}[{i}]", r) for i, r in enumerate(train if split == "train" else held_out)]
@@ -96,7 +97,7 @@ def load_prompts(spec: str, tokenizer: ChatTokenizer, cfg, split: str = "train")
         answer = record.get(cfg.answer_key)
         if answer is not None and not isinstance(answer, (str, int, float)):
             raise DataError(f"{where}: field {cfg.answer_key!r} must be a string or number, got {answer!r}")
-        ids = tokenizer.prompt_ids(messages)
+        ids = tokenizer.prompt_ids(messages, tools=tools)
         if len(ids) > cfg.max_prompt_tokens:
             raise DataError(f"{where}: the prompt is {len(ids)} tokens, above data.max_prompt_tokens="
                             f"{cfg.max_prompt_tokens}. Fix: shorten it, drop it, or raise the limit")
@@ -104,15 +105,16 @@ def load_prompts(spec: str, tokenizer: ChatTokenizer, cfg, split: str = "train")
     return out
 
 
-def load_sft_samples(spec: str, tokenizer: ChatTokenizer, cfg) -> list[SFTSample]:
-    """SFT samples with assistant-only loss masks. spec: a chat JSONL/Parquet file ({"messages": [...]}) or
-    "synthetic" (the synthetic task's training problems with their answers as the assistant turn)."""
+def load_sft_samples(spec: str, tokenizer: ChatTokenizer, cfg, tools=None) -> list[SFTSample]:
+    """SFT samples with assistant-only loss masks. spec: a chat JSONL/Parquet file ({"messages": [...]}, optionally
+    "tools": [...] schemas) or "synthetic" (the synthetic task's training problems, answered directly or through the
+    calculator tool). tools: the schemas rendered for records that carry none (the RL prompts' tools)."""
     if spec == "synthetic":
         train, _ = synthetic_splits(cfg.synthetic)
-        train = noisy_answers(train, cfg.synthetic.sft_answer_noise, cfg.synthetic.seed + 2)
-        records = [(f"synthetic:train[{i}]", {cfg.messages_key: [{"role": "user", "content": r["prompt"]},
-                                                                 {"role": "assistant", "content": r["answer"]}]})
-                   for i, r in enumerate(train)]
+        noisy = noisy_answers(train, cfg.synthetic.sft_answer_noise, cfg.synthetic.seed + 2)
+        problems = [dict(n, answer_true=t["answer"]) for n, t in zip(noisy, train)]
+        records = [(f"synthetic:train[{i}]", {cfg.messages_key: messages}) for i, messages in
+                   enumerate(tool_use_demonstrations(problems, cfg.synthetic.sft_tool_share, cfg.synthetic.seed + 3))]
     else:
         records = read_records(spec)
     out = []
@@ -126,8 +128,24 @@ def load_sft_samples(spec: str, tokenizer: ChatTokenizer, cfg) -> list[SFTSample
             raise DataError(f"{where}: no assistant message, so nothing would be trained")
         if cfg.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": cfg.system_prompt}] + list(messages)
-        sample = tokenizer.sft_sample(messages, tools=record.get("tools"))
+        sample = tokenizer.sft_sample(messages, tools=record.get("tools", tools))
         if not any(sample.loss_mask[1:]):
             raise DataError(f"{where}: the assistant turns produced no trainable tokens")
         out.append(sample)
+    return out
+
+
+def load_responses(spec: str, tokenizer: ChatTokenizer, cfg, tools=None) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids) pairs for perplexity/entropy evaluation, from a JSONL/Parquet file whose records
+    hold a prompt (data.prompt_key or data.messages_key) and a "response" string. The prompt is rendered exactly as
+    for RL; the response as the assistant turn the chat template would write (with its end-of-turn token)."""
+    out = []
+    for where, record in read_records(spec):
+        messages = _messages(where, record, cfg)
+        response = record.get("response")
+        if not isinstance(response, str) or not response:
+            raise DataError(f"{where}: field 'response' must be a non-empty string (the text to score), got "
+                            f"{response!r}")
+        out.append((tokenizer.prompt_ids(messages, tools=tools),
+                    tokenizer.response_ids(messages, response, tools=tools)))
     return out

@@ -56,3 +56,23 @@ def noisy_answers(problems: list[dict], share: float, seed: int) -> list[dict]:
             p = dict(p, answer=str(int(p["answer"]) + rng.choice([-3, -2, -1, 1, 2, 3])))
         out.append(p)
     return out
+
+
+def tool_use_demonstrations(problems: list[dict], share: float, seed: int) -> list[list[dict]]:
+    """SFT conversations for a tool-use cold start: a `share` of the problems (seeded) are solved by calling the
+    calculator tool and answering with its result; the rest are answered directly with the problem's answer."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"data.synthetic.sft_tool_share={share} must be in [0, 1]")
+    rng = random.Random(seed)
+    out = []
+    for p in problems:
+        user = {"role": "user", "content": p["prompt"]}
+        if rng.random() < share:
+            call = {"type": "function", "function": {"name": "calculator",
+                                                     "arguments": {"expression": p["prompt"].rstrip("=")}}}
+            out.append([user, {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "name": "calculator", "content": p["answer_true"]},
+                        {"role": "assistant", "content": p["answer_true"]}])
+        else:
+            out.append([user, {"role": "assistant", "content": p["answer"]}])
+    return out

@@ -68,14 +68,15 @@ def forward_only(model: list, global_batch: TokenBatch, num_microbatches: int, p
 
 
 def compute_log_probs(model: list, global_batch: TokenBatch, num_microbatches: int, vocab_size: int,
-                      temperature: float = 1.0):
+                      temperature: float = 1.0, entropy: bool = False):
     """Log-probs [b, s] of the batch's targets under `model` (old or reference policy), on the last pipeline stage
-    (None elsewhere); positions outside loss_mask are 0."""
+    (None elsewhere); positions outside loss_mask are 0. entropy=True: the entropy of the predicted distribution at
+    each position instead."""
     from megatron.core import parallel_state as ps
 
     def log_probs(logits, batch):
         return vocab_parallel_logprob_entropy(logits, batch.targets, vocab_size=vocab_size, temperature=temperature,
-                                              group=ps.get_tensor_model_parallel_group())[0]
+                                              group=ps.get_tensor_model_parallel_group())[int(entropy)]
 
     return forward_only(model, global_batch, num_microbatches, log_probs)
 

@@ -21,8 +21,31 @@ _FAMILY = {
     "qwen3_moe": dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, router_aux_loss_coef=0.0),
 }
-_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# ChatML, with tool calls written the way Qwen2.5's template writes them (a <tools> list in the system turn, tool calls
+# as <tool_call> JSON blocks in the assistant turn, tool results as <tool_response> blocks in a user turn). Without tools
+# it renders exactly "<|im_start|>{role}\n{content}<|im_end|>\n" per message.
+_CHAT_TEMPLATE = (  # newlines are {{ NL }} expressions: transformers renders templates with trim_blocks
+    "{%- set NL = '\\n' %}"
+    "{%- if tools %}<|im_start|>system{{ NL }}"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{{ NL }}{{ NL }}{% endif %}"
+    "# Tools{{ NL }}<tools>{% for t in tools %}{{ NL }}{{ t | tojson }}{% endfor %}{{ NL }}</tools><|im_end|>{{ NL }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'system' and tools and loop.first %}"
+    "{%- elif m['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ NL }}<tool_response>{{ NL }}{{ m['content'] }}{{ NL }}</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>{{ NL }}{% endif %}"
+    "{%- else %}<|im_start|>{{ m['role'] }}"
+    "{%- if m.get('tool_calls') %}{% if m['content'] %}{{ NL }}{{ m['content'] }}{% endif %}"
+    "{%- for c in m['tool_calls'] %}{% set f = c['function'] if c.get('function') else c %}"
+    "{{ NL }}<tool_call>{{ NL }}{\"name\": \"{{ f['name'] }}\", \"arguments\": {{ f['arguments'] | tojson }}}"
+    "{{ NL }}</tool_call>{%- endfor %}<|im_end|>{{ NL }}"
+    "{%- else %}{{ NL }}{{ m['content'] }}<|im_end|>{{ NL }}{% endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant{{ NL }}{% endif %}")
+# Qwen2.5's tool markers, added (not special) tokens as in its tokenizer: decoded text keeps them.
+_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 _CORPUS = ["The quick brown fox jumps over the lazy dog. 0 1 2 3 4 5 6 7 8 9 + - * / = ?",
            "What is 12 plus 30? The answer is 42.", "Question: 7 times 6. Answer: 42."]
 
@@ -47,7 +70,7 @@ def write_tokenizer(out_dir: str, vocab_size: int = 384):
 
 def write_char_tokenizer(out_dir: str):
     """A byte-level tokenizer without merges (one token per byte: digits and signs are single tokens, which synthetic
-    arithmetic tasks need), the same special tokens and ChatML template. 259 ids."""
+    arithmetic tasks need), the same special tokens, tool markers and ChatML template. 263 ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -58,6 +81,7 @@ def write_char_tokenizer(out_dir: str):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(specials)
+    tok.add_tokens(_TOOL_TOKENS)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     fast.chat_template = _CHAT_TEMPLATE
     fast.save_pretrained(out_dir)

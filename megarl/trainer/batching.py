@@ -28,6 +28,7 @@ class Sample:
     reward: float = 0.0
     score: float = 0.0  # the reward after shaping (overlong penalty): what advantages see
     trained: bool = True  # False: kept for metrics, no loss (overlong masking)
+    loss_mask: list[int] | None = None  # per response token (multi-turn: 0 on observations); None: all trained
     extra: dict = field(default_factory=dict)
 
 
@@ -69,6 +70,9 @@ def token_batch(samples: list[Sample], rows: int, seq_len: int, pad_id: int) -> 
     for i, s in enumerate(samples):
         if not s.trained:
             mask[i] = 0
+        elif s.loss_mask is not None:  # observation tokens of a multi-turn sample are inputs, never targets
+            start = len(s.prompt_ids) - 1
+            mask[i, start:start + len(s.response_ids)] *= torch.tensor(s.loss_mask, dtype=mask.dtype)
     rollout = place_response_values([s.rollout_log_probs for s in samples] + [[]] * pad_rows,
                                     [len(p) for p in prompts], seq_len)
     return TokenBatch(input_ids=input_ids, targets=targets, loss_mask=mask, rollout_log_probs=rollout * mask)

@@ -50,6 +50,7 @@ class SyntheticConfig:
     num_eval: int = 200
     seed: int = 1234  # the held-out set never overlaps the training set
     sft_answer_noise: float = 0.0  # share of SFT demonstrations with a wrong answer (imperfect cold-start data)
+    sft_tool_share: float = 0.0  # share of SFT demonstrations that call the calculator tool (tool-use cold start)
 
 
 @dataclass
@@ -94,6 +95,18 @@ class RolloutConfig:
     old_log_probs: str = "recompute"  # recompute (trainer forward) | rollout (engine log-probs + algorithm.mismatch)
     request_size: int = 64  # prompts per concurrent /generate request (rewards start as each returns)
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass
+class EnvConfig:
+    """Multi-turn rollouts (megarl.envs). name=None: one model turn per sample (single-turn RL)."""
+    name: Optional[str] = None  # tool: the model calls tools (env.tools) until it answers without a tool call
+    tools: list = field(default_factory=lambda: ["calculator"])
+    tool_call_format: str = "qwen25"  # SGLang function-call parser matching the chat template's tool-call syntax
+    tools_in_prompt: bool = True  # render the tools' JSON schemas into the prompt (the chat template's tools=)
+    max_turns: int = 4  # model turns per episode
+    max_response_tokens: int = 1024  # model + observation tokens per episode (rollout.max_new_tokens is per turn)
+    kwargs: dict = field(default_factory=dict)  # extra arguments for the environment's constructor
 
 
 @dataclass
@@ -167,6 +180,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -186,7 +200,8 @@ class TrainConfig:
             _choice(name, self._value(name), ("constant", "linear", "cosine"))
         for name in ("rollout.prompts_per_step", "rollout.n_samples", "rollout.max_new_tokens", "rl.steps",
                      "rl.ppo_epochs", "rl.mini_batches", "rl.max_tokens_per_microbatch", "sft.batch_size",
-                     "sft.max_seq_len", "reshard.bucket_mb", "rollout.request_size", "reward.workers"):
+                     "sft.max_seq_len", "reshard.bucket_mb", "rollout.request_size", "reward.workers", "env.max_turns",
+                     "env.max_response_tokens"):
             if self._value(name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {self._value(name)}")
         if self.rollout.prompts_per_step % self.rl.mini_batches:
@@ -198,6 +213,16 @@ class TrainConfig:
                               "log-probs as the PPO anchor; set algorithm.mismatch.mode (e.g. tis) or use recompute")
         if self.rollout.overlong == "penalty" and not 0 < self.rollout.overlong_buffer < self.rollout.max_new_tokens:
             raise ConfigError("rollout.overlong=penalty needs 0 < rollout.overlong_buffer < rollout.max_new_tokens")
+        if self.env.name is not None:
+            from ..envs import ENVS, resolve_tools
+
+            _choice("env.name", self.env.name, sorted(ENVS))
+            try:
+                resolve_tools(list(self.env.tools))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if not 0.0 <= self.data.synthetic.sft_tool_share <= 1.0:
+            raise ConfigError(f"data.synthetic.sft_tool_share={self.data.synthetic.sft_tool_share} must be in [0, 1]")
         if self.algorithm.temperature != self.rollout.temperature:
             raise ConfigError(f"algorithm.temperature={self.algorithm.temperature} must equal rollout.temperature="
                               f"{self.rollout.temperature}: the trainer's log-probs must be of the distribution the "

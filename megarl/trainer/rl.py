@@ -29,7 +29,8 @@ from .batching import RankBatch, rank_batch
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .logging import MetricsLog, PhaseTimer
 from .rollout import PromptStream, Rollout, rollout_metrics
-from .setup import build_critic, build_policy, build_reference, init_parallel, prepare_model_folder, resolve_load
+from .setup import (build_critic, build_policy, build_reference, init_parallel, prepare_model_folder, prompt_tools,
+                    resolve_load)
 
 logger = logging.getLogger("megarl")
 
@@ -46,7 +47,7 @@ def _on_every_stage(per_token: torch.Tensor | None, like: torch.Tensor) -> torch
 
 
 class RLTrainer:
-    def __init__(self, cfg):
+    def __init__(self, cfg, metrics_log: bool = True):
         self.cfg, self.started = cfg, time.perf_counter()
         parallel.initialize(cfg.parallel)
         self.rank = dist.get_rank()
@@ -71,7 +72,8 @@ class RLTrainer:
         self._start_rollout_side()
         self._resume()
         self.log = MetricsLog(cfg.run_dir, to_dict(cfg), cfg.logging.wandb, cfg.logging.project,
-                              progress_total=cfg.rl.steps, progress=cfg.logging.progress) if self.rank == 0 else None
+                              progress_total=cfg.rl.steps, progress=cfg.logging.progress) \
+            if self.rank == 0 and metrics_log else None
         if self.log is not None:
             self.log.truncate_after(self.step)
             if self.log.bar is not None:
@@ -82,9 +84,10 @@ class RLTrainer:
         cfg = self.cfg
         self.servers, urls = [], list(cfg.rollout.engine.urls)
         if self.rank == 0:
-            self.train_records = load_prompts(cfg.data.train, self.tok, cfg.data, "train")
+            tools = prompt_tools(cfg)
+            self.train_records = load_prompts(cfg.data.train, self.tok, cfg.data, "train", tools)
             eval_spec = cfg.data.eval or ("synthetic" if cfg.data.train == "synthetic" else None)
-            self.eval_records = load_prompts(eval_spec, self.tok, cfg.data, "eval") if eval_spec else []
+            self.eval_records = load_prompts(eval_spec, self.tok, cfg.data, "eval", tools) if eval_spec else []
             self.stream = PromptStream(self.train_records, cfg.seed, cfg.data.shuffle)
             self.rewards = RewardPool(cfg.reward.name, cfg.reward.workers, cfg.reward.timeout_s, cfg.reward.kwargs)
             if not urls:
@@ -102,7 +105,7 @@ class RLTrainer:
             [EngineClient(url) for url in urls]
         if self.rank == 0:
             self.router = EngineRouter(self.clients, cfg.rollout.engine.router_policy)
-            self.rollout = Rollout(cfg, self.tok, self.router, self.rewards)
+            self.rollout = Rollout(cfg, self.tok, self.router, self.rewards, tools=prompt_tools(cfg))
         transport = TRANSPORTS[cfg.reshard.transport]
         self.syncs = []
         for i, client in enumerate(self.clients):
@@ -202,7 +205,8 @@ class RLTrainer:
                 for s in samples:
                     f.write(json.dumps({"group": s.group, "prompt_ids": s.prompt_ids, "response_ids": s.response_ids,
                                         "rollout_log_probs": s.rollout_log_probs, "reward": s.reward,
-                                        "finish_reason": s.finish_reason}) + "\n")
+                                        "finish_reason": s.finish_reason, "loss_mask": s.loss_mask,
+                                        "extra": s.extra}) + "\n")
         if self.ps.get_tensor_model_parallel_rank() == 0 and self.ps.is_pipeline_first_stage(ignore_virtual=True):
             with open(os.path.join(folder, f"step_{step:06d}.dp{self.dp_rank}.train.jsonl"), "w") as f:
                 for row, index in enumerate(rb.sample_index):
@@ -273,11 +277,13 @@ class RLTrainer:
         return stats
 
     def evaluate(self, tag) -> dict:
+        """Held-out evaluation on rank 0 (pass@k, maj@n, tool use); its pass@k curve is kept for the plot."""
         cfg = self.cfg
         result = None
         if self.rank == 0 and self.eval_records:
             temperature = cfg.rl.eval_temperature if cfg.rl.eval_temperature is not None else cfg.rollout.temperature
-            result = self.rollout.evaluate(self.eval_records, cfg.rl.eval_samples, temperature, tag)
+            result, curve = self.rollout.evaluate(self.eval_records, cfg.rl.eval_samples, temperature, tag)
+            self.state.setdefault("eval_curves", {})[str(tag)] = curve
         return broadcast(result) or {}
 
     # --------------------------------------------------------------------------------------------- the run
@@ -302,10 +308,22 @@ class RLTrainer:
         after = self.evaluate("after")
         if self.log is not None and after:
             self.log.log(self.step, after)
+            self._plot_pass_at_k()
         self.save()
         if cfg.checkpoint.export_hf:
             self.bridge.save_hf(self.policy.chunks, os.path.join(cfg.run_dir, "hf"))
         return self._summary(after)
+
+    def _plot_pass_at_k(self) -> None:
+        """<run_dir>/pass_at_k.png and .json: the held-out pass@k curves before and after training."""
+        from ..evaluation import plot_pass_at_k
+
+        curves = {tag: {int(k): v for k, v in c.items()} for tag, c in self.state.get("eval_curves", {}).items()
+                  if tag in ("before", "after")}
+        if curves:
+            with open(os.path.join(self.cfg.run_dir, "pass_at_k.json"), "w") as f:
+                json.dump(curves, f, indent=1)
+            plot_pass_at_k(curves, os.path.join(self.cfg.run_dir, "pass_at_k.png"), title="held-out pass@k (%)")
 
     def save(self) -> None:
         state = dict(self.state, data=self.stream.state()) if self.rank == 0 else {}  # rank 0 writes it

@@ -1,5 +1,6 @@
 """Rollout on rank 0: prompts -> SGLang (n samples each, token ids + log-probs) -> rewards, with DAPO dynamic sampling
-and overlong handling; the held-out evaluation uses the same path.
+and overlong handling; the held-out evaluation uses the same path. With env.name set, each sample is a multi-turn
+episode (megarl.envs.run_episodes: tool calls answered token-in/token-out, observations masked out of the loss).
 
 Requests go to the engines in chunks of rollout.request_size prompts, concurrently; as each chunk returns, its
 responses are handed to the reward pool, so scoring overlaps the rest of generation. Every request carries a
@@ -13,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..data import PromptRecord
+from ..envs import Episode, make_env, run_episodes
+from ..evaluation import majority_at_n, normalise_answer, pass_at_k_curve
 from .batching import Sample
 
 
@@ -55,10 +58,11 @@ class PromptStream:
 
 
 class Rollout:
-    def __init__(self, cfg, tokenizer, router, rewards):
-        self.cfg, self.tok, self.router, self.rewards = cfg, tokenizer, router, rewards
+    def __init__(self, cfg, tokenizer, router, rewards, tools=None):
+        self.cfg, self.tok, self.router, self.rewards, self.tools = cfg, tokenizer, router, rewards, tools
         self.stop_ids = sorted(set(tokenizer.stop_ids) | set(cfg.rollout.stop_token_ids))
         self._threads = ThreadPoolExecutor(max_workers=8)
+        self._env_threads = ThreadPoolExecutor(max_workers=8)  # tool calls (separate: chunks run on _threads)
 
     def sampling_params(self, seed: int | None, temperature: float, max_new_tokens: int) -> dict:
         params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": self.cfg.rollout.top_p,
@@ -66,6 +70,33 @@ class Rollout:
         if seed is not None and self.cfg.rollout.deterministic:
             params["sampling_seed"] = seed
         return params
+
+    def _episodes(self, piece, seed_parts: tuple, temperature: float, max_new_tokens: int) -> list[Episode]:
+        """One episode per request (record, sample index): a single engine turn, or a multi-turn env episode."""
+        records = [r for _, r, _ in piece]
+        env = self.cfg.env
+        if env.name is None:
+            params = [self.sampling_params(request_seed(*seed_parts, r.index, j), temperature, max_new_tokens)
+                      for _, r, j in piece]
+            completions = self.router.generate([r.prompt_ids for r in records], params)
+            episodes = []
+            for r, c in zip(records, completions):
+                if len(c.output_log_probs) != len(c.output_ids):
+                    raise RuntimeError(f"engine returned {len(c.output_ids)} tokens but {len(c.output_log_probs)} "
+                                       "log-probs for one response")
+                episodes.append(Episode(list(r.prompt_ids), list(c.output_ids), [1] * len(c.output_ids),
+                                        list(c.output_log_probs), c.finish_reason, 1, self.tok.decode(c.output_ids),
+                                        weight_version=c.weight_version))
+            return episodes
+        envs = [make_env(env.name, tools=list(env.tools), tool_call_format=env.tool_call_format, **env.kwargs)
+                for _ in piece]
+
+        def params(i: int, turn: int) -> dict:
+            _, r, j = piece[i]
+            return self.sampling_params(request_seed(*seed_parts, r.index, j, turn), temperature, max_new_tokens)
+
+        return run_episodes(self.router.generate, self.tok, envs, records, params, env.max_turns, max_new_tokens,
+                            env.max_response_tokens, tools=self.tools, threads=self._env_threads)
 
     def generate(self, records: list[PromptRecord], n: int, seed_parts: tuple, temperature: float,
                  max_new_tokens: int) -> list[Sample]:
@@ -75,11 +106,9 @@ class Rollout:
         pieces = [requests[i:i + chunk] for i in range(0, len(requests), chunk)]
 
         def run(piece):
-            params = [self.sampling_params(request_seed(*seed_parts, r.index, j), temperature, max_new_tokens)
-                      for _, r, j in piece]
-            completions = self.router.generate([r.prompt_ids for _, r, _ in piece], params)
-            texts = [(self.tok.decode(c.output_ids), r.answer) for c, (_, r, _) in zip(completions, piece)]
-            return completions, self.rewards.submit(texts)
+            episodes = self._episodes(piece, seed_parts, temperature, max_new_tokens)
+            texts = [(e.final_text, r.answer) for e, (_, r, _) in zip(episodes, piece)]
+            return episodes, self.rewards.submit(texts)
 
         samples = []
         results = self._threads.map(run, pieces)
@@ -87,16 +116,17 @@ class Rollout:
             from tqdm import tqdm
 
             results = tqdm(results, total=len(pieces), desc="generate", unit="req", leave=False, dynamic_ncols=True)
-        for piece, (completions, scored) in zip(pieces, results):
+        multi_turn = self.cfg.env.name is not None
+        for piece, (episodes, scored) in zip(pieces, results):
             rewards = self.rewards.result(scored, len(piece))
-            for (g, r, _), c, reward in zip(piece, completions, rewards):
-                if len(c.output_log_probs) != len(c.output_ids):
-                    raise RuntimeError(f"engine returned {len(c.output_ids)} tokens but {len(c.output_log_probs)} "
-                                       "log-probs for one response")
+            for (g, r, _), e, reward in zip(piece, episodes, rewards):
+                reward += e.env_reward
                 samples.append(Sample(group=g, prompt_index=r.index, prompt_ids=list(r.prompt_ids),
-                                      response_ids=list(c.output_ids), rollout_log_probs=list(c.output_log_probs),
-                                      finish_reason=c.finish_reason, reward=reward, score=reward,
-                                      extra={"weight_version": c.weight_version}))
+                                      response_ids=e.response_ids, rollout_log_probs=e.log_probs,
+                                      finish_reason=e.finish_reason, reward=reward, score=reward,
+                                      loss_mask=e.loss_mask if multi_turn else None,
+                                      extra={"weight_version": e.weight_version, "turns": e.turns,
+                                             "final_text": e.final_text, **e.info}))
         return samples
 
     def collect(self, stream: PromptStream, step: int) -> tuple[list[Sample], dict]:
@@ -138,25 +168,47 @@ class Rollout:
                 if excess > 0:
                     s.score = s.reward - min(excess / ro.overlong_buffer, 1.0) * ro.overlong_penalty
 
-    def evaluate(self, records: list[PromptRecord], n: int, temperature: float, tag) -> dict:
-        """pass@1 (mean correctness over n samples per prompt, as a percentage) and response statistics."""
+    def evaluate(self, records: list[PromptRecord], n: int, temperature: float, tag) -> tuple[dict, dict]:
+        """Held-out metrics over n samples per prompt: pass@1 (mean correctness, %), pass@k for k = 1, 2, 4, .., n
+        (unbiased estimator, %), maj@n (majority vote over normalised final answers, %), response and tool-use
+        statistics; and the full pass@k curve {k: fraction}."""
         samples = self.generate(records, n, (self.cfg.seed, "eval", tag), temperature,
                                 self.cfg.rollout.max_new_tokens)
-        lengths = [len(s.response_ids) for s in samples]
-        return {"eval/pass_at_1": 100.0 * sum(s.reward > 0.5 for s in samples) / len(samples),
-                "eval/reward_mean": sum(s.reward for s in samples) / len(samples),
-                "eval/response_len_mean": sum(lengths) / len(lengths),
-                "eval/prompts": len(records), "eval/samples_per_prompt": n}
+        groups = [samples[g * n:(g + 1) * n] for g in range(len(records))]
+        correct = [[s.reward > 0.5 for s in group] for group in groups]
+        curve = pass_at_k_curve(correct)
+        votes = [[(normalise_answer(s.extra["final_text"]), s.reward > 0.5) for s in group] for group in groups]
+        metrics = {f"eval/pass_at_{k}": 100.0 * v for k, v in curve.items() if k & (k - 1) == 0 or k == n}
+        metrics.update({f"eval/maj_at_{n}": 100.0 * majority_at_n(votes), "eval/prompts": len(records),
+                        "eval/samples_per_prompt": n})
+        metrics.update({"eval/" + k.replace("/", "_"): v for k, v in rollout_metrics(samples).items()
+                        if k.startswith(("reward/mean", "response_len/mean", "tool/", "rollout/turns"))})
+        return metrics, curve
 
     def close(self) -> None:
         self._threads.shutdown(wait=False)
+        self._env_threads.shutdown(wait=False)
 
 
 def rollout_metrics(samples: list[Sample]) -> dict:
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
-    return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(samples) > 1 else 0.0,
-            "reward/pass_rate": float((rewards > 0.5).double().mean()),
-            "response_len/mean": float(lengths.mean()), "response_len/max": float(lengths.max()),
-            "rollout/truncated_frac": float(sum(s.finish_reason == "length" for s in samples) / len(samples)),
-            "rollout/samples": len(samples)}
+    metrics = {"reward/mean": float(rewards.mean()),
+               "reward/std": float(rewards.std()) if len(samples) > 1 else 0.0,
+               "reward/pass_rate": float((rewards > 0.5).double().mean()),
+               "response_len/mean": float(lengths.mean()), "response_len/max": float(lengths.max()),
+               "rollout/truncated_frac": float(sum(s.finish_reason == "length" for s in samples) / len(samples)),
+               "rollout/samples": len(samples)}
+    if any(s.loss_mask is not None for s in samples):  # multi-turn episodes
+        n = len(samples)
+        metrics.update({
+            "rollout/turns_mean": sum(s.extra.get("turns", 1) for s in samples) / n,
+            "rollout/max_turns_frac": sum(s.finish_reason == "max_turns" for s in samples) / n,
+            "rollout/observation_token_frac": sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples)
+            / max(sum(len(s.response_ids) for s in samples), 1),
+            "tool/call_rate": sum(s.extra.get("tool_calls", 0) > 0 for s in samples) / n,
+            "tool/calls_per_sample": sum(s.extra.get("tool_calls", 0) for s in samples) / n,
+            "tool/error_rate": sum(s.extra.get("tool_errors", 0) for s in samples)
+            / max(sum(s.extra.get("tool_calls", 0) for s in samples), 1),
+            "tool/bad_call_rate": sum(s.extra.get("bad_tool_calls", 0) > 0 for s in samples) / n})
+    return metrics

@@ -142,3 +142,13 @@ def resolve_checkpoint(path: str) -> str:
         raise FileNotFoundError(f"model.load={path!r}: no checkpoint there (expected a step folder or a checkpoints/ "
                                 "folder with a 'latest' file)")
     return found
+
+
+def prompt_tools(cfg) -> list[dict] | None:
+    """The tool schemas the chat template renders into prompts (and SFT samples), or None (no env, or
+    env.tools_in_prompt off: the model learned its tools from the SFT data)."""
+    if cfg.env.name is None or not cfg.env.tools_in_prompt:
+        return None
+    from ..envs import resolve_tools
+
+    return [t.schema() for t in resolve_tools(list(cfg.env.tools))]

@@ -22,7 +22,7 @@ from ..losses import TokenBatch, prepare_global_batch, train_step
 from .batching import micro_batches_for
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .logging import MetricsLog, PhaseTimer
-from .setup import build_policy, init_parallel, prepare_model_folder, resolve_load
+from .setup import build_policy, init_parallel, prepare_model_folder, prompt_tools, resolve_load
 
 
 def sft_dir(cfg) -> str:
@@ -56,7 +56,7 @@ def run_sft(cfg) -> dict:
     from megatron.core import parallel_state as ps
 
     tok = ChatTokenizer.from_pretrained(model_path)
-    samples = load_sft_samples(s.data, tok, cfg.data)[: s.max_samples]
+    samples = load_sft_samples(s.data, tok, cfg.data, tools=prompt_tools(cfg))[: s.max_samples]
     optim = type(cfg.optim)(**{**to_dict(cfg.optim), "lr": s.lr, "min_lr": s.min_lr, "weight_decay": s.weight_decay,
                                "warmup_steps": s.warmup_steps, "decay_style": s.decay_style})
     load = None if cfg.model.load == "sft" else resolve_load(cfg)  # "sft" is what this run produces
