@@ -8,6 +8,7 @@ import os
 PANELS = [  # (title, [metric keys], file)
     ("reward (mean)", ["reward/mean"], "rl"),
     ("held-out pass@1 (%)", ["eval/pass_at_1"], "rl"),
+    ("tool-call rate (multi-turn)", ["tool/call_rate", "eval/tool_call_rate"], "rl"),
     ("response length", ["response_len/mean", "response_len/max"], "rl"),
     ("entropy", ["entropy"], "rl"),
     ("KL to reference / ppo_kl", ["kl", "ppo_kl"], "rl"),

@@ -18,6 +18,7 @@ class Tool:
     description: str
     parameters: dict  # JSON schema of the keyword arguments
     fn: Callable[..., str]
+    sandboxed: bool = False  # runs model-written code: the environment checks the sandbox works before any episode
 
     def schema(self) -> dict:
         """The OpenAI-style tool description chat templates render (tools=[...])."""
@@ -98,4 +99,5 @@ def python(code: str) -> str:
 
 
 register_tool(Tool("python", "Run a Python program in a sandbox (no network) and return what it prints.",
-                   {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}, python))
+                   {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}, python,
+                   sandboxed=True))

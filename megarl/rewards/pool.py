@@ -2,7 +2,8 @@
 are computed while the rest of the batch is still generating; the training ranks only wait for what is not done yet.
 
 A reward function that raises or runs past reward.timeout_s scores 0.0 for that response, with the reason logged and
-counted (metric reward/errors) — one bad sample never stops a run.
+counted (metric reward/errors) — one bad sample never stops a run. The exception is SandboxUnavailable (a reward that
+executes code and cannot isolate it): that stops the run at start-up, never scores unisolated.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import multiprocessing
 from concurrent.futures import Future, ProcessPoolExecutor, TimeoutError as FutureTimeout
 
 from .functions import resolve_reward
+from .sandbox import SandboxUnavailable, check_sandbox
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +23,8 @@ def _score(name: str, kwargs: dict, items: list[tuple[str, str | None]]) -> list
     for response, answer in items:
         try:
             out.append((float(fn(response, answer, **kwargs)), None))
+        except SandboxUnavailable:
+            raise  # no isolation is an infrastructure failure: stop the run, never score (or run) unisolated
         except Exception as e:  # a user reward function may raise anything; the sample scores 0
             out.append((0.0, f"{type(e).__name__}: {e}"))
     return out
@@ -28,11 +32,13 @@ def _score(name: str, kwargs: dict, items: list[tuple[str, str | None]]) -> list
 
 class RewardPool:
     def __init__(self, name: str, workers: int = 2, timeout_s: float = 10.0, kwargs: dict | None = None):
-        resolve_reward(name)  # fail at start-up, not inside a worker
+        fn = resolve_reward(name)  # fail at start-up, not inside a worker
         self.name, self.kwargs, self.timeout_s = name, dict(kwargs or {}), timeout_s
         # forkserver: workers never inherit the trainer's threads or process groups
         self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("forkserver"))
         self.errors: list[str] = []
+        if getattr(fn, "requires_sandbox", False):  # code execution: prove isolation works here, in a worker
+            self.pool.submit(check_sandbox).result()
 
     def submit(self, items: list[tuple[str, str | None]]) -> Future:
         return self.pool.submit(_score, self.name, self.kwargs, items)
