@@ -212,3 +212,39 @@ def test_critic_values_and_training_match_single_rank(layout, world):
         assert (r["values"] - tp1["values"]).abs().max() < 1e-5
         assert abs(r["losses"][-1] - tp1["losses"][-1]) < 1e-4 * max(1.0, abs(tp1["losses"][-1]))
     assert tp1["losses"][-1] < 0.5 * tp1["losses"][0]
+
+
+def _stop_requests(run_dir):
+    """Rank 1 alone is signalled; then rank 0 alone sees a STOP file: every rank must agree both times."""
+    import signal
+
+    import torch.distributed as dist
+
+    from megarl.trainer.preemption import StopRequest
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    stop = StopRequest(run_dir, rank)
+    seen = [stop.requested()]  # nothing yet
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    seen.append(stop.requested())
+    stop.signalled = None
+    if rank == 0:
+        open(os.path.join(run_dir, "STOP"), "w").close()
+    dist.barrier()
+    seen.append(stop.requested())
+    stop.acknowledge(7)
+    return seen
+
+
+def test_stop_request_is_agreed_by_every_rank_and_leaves_a_marker(tmp_path):
+    import json
+
+    (tmp_path / "preempted.json").write_text("{}")  # a previous run's marker is cleared at start
+    results = run_ranks(2, _stop_requests, str(tmp_path), timeout=60)
+    assert results == [[False, True, True], [False, True, True]]
+    marker = json.loads((tmp_path / "preempted.json").read_text())
+    assert marker["step"] == 7 and marker["stop_file"] is True  # the last stop came from the file ...
+    assert not (tmp_path / "STOP").exists()  # ... which is consumed
+    assert not (tmp_path / "STOP").exists()

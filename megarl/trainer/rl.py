@@ -28,6 +28,7 @@ from ..rollout import EngineClient, EngineRouter, ServerConfig, SGLangServer
 from .batching import RankBatch, rank_batch
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .logging import MetricsLog, PhaseTimer
+from .preemption import StopRequest
 from .rollout import PromptStream, Rollout, rollout_metrics
 from .setup import (build_critic, build_policy, build_reference, init_parallel, prepare_model_folder, prompt_tools,
                     resolve_load)
@@ -289,6 +290,7 @@ class RLTrainer:
     # --------------------------------------------------------------------------------------------- the run
     def train(self) -> dict:
         cfg = self.cfg
+        self.stop = StopRequest(cfg.run_dir, self.rank, "cuda" if platform.on_gpu() else "cpu")
         self.sync_weights(f"step-{self.step}", verify=True)  # the engines start from the trainer's weights
         if self.step == 0:
             self.state["eval_before"] = self.evaluate("before")
@@ -303,6 +305,10 @@ class RLTrainer:
             self.step = step
             if self.log is not None:
                 self.log.log(step, metrics, show=("reward/mean", "eval/pass_at_1", "loss"))
+            if self.stop.requested() and step < cfg.rl.steps:  # preemption: save this step and leave
+                self.save()
+                self.stop.acknowledge(step)
+                return {"preempted": True, "steps": step, "run_dir": cfg.run_dir}
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < cfg.rl.steps:
                 self.save()
         after = self.evaluate("after")
