@@ -10,6 +10,11 @@
 
 CONFIG is a YAML preset (configs/); key=value overrides any field by its dotted name (rl.steps=20).
 
+    megarl train CONFIG [key=value ...] --dry-run [--nnodes N] [--gpus-per-node G] [--verbose]
+
+prints the topology (parallel sizes, every rank group, which nodes train and which run SGLang, each node's command)
+and exits without starting torch.distributed or reading weights (megarl.launch).
+
 `smoke` is the model-bridge smoke run: it writes a tiny random
 HF model (or uses --model PATH), loads it into a TP/PP/EP-sharded Megatron GPTModel, compares the logits with Hugging
 Face transformers, exports the sharded model back to an HF folder and checks that every tensor is bit-identical, and
@@ -152,6 +157,9 @@ def _run(args) -> int:
     parallel.teardown()
     if rank != 0:
         return 0
+    if rl.get("preempted"):  # checkpointed for a requeue (megarl.trainer.preemption): no summary yet
+        print(f"\nmegarl run {cfg.run_dir}: stopped after RL step {rl['steps']} (checkpoint saved); run again to resume")
+        return 0
     summary = {"pass_at_1_before": rl["pass_at_1_before"], "pass_at_1_after": rl["pass_at_1_after"],
                "wall_s": round(time.perf_counter() - start, 1), "seed": cfg.seed, "rl_steps": rl["steps"],
                "sft_steps": sft["steps"] if sft else 0, "sft_wall_s": round(sft["wall_s"], 1) if sft else 0.0}
@@ -205,6 +213,11 @@ def main(argv=None) -> int:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("config", help="YAML preset, e.g. configs/quickstart.yaml")
         p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rl.steps=20")
+        p.add_argument("--dry-run", action="store_true", help="print the topology (rank groups, trainer and engine "
+                       "placement, each node's command) and exit; starts nothing")
+        p.add_argument("--nnodes", type=int, default=None, help="--dry-run: nodes (default: torchrun/Slurm env, or 1)")
+        p.add_argument("--gpus-per-node", type=int, default=None, help="--dry-run: GPUs per node (default: env, or 8)")
+        p.add_argument("--verbose", action="store_true", help="--dry-run: list every group, engine and node")
     evaluate = sub.add_parser("eval", help="pass@k / maj@n on held-out prompts, PPL and entropy of given responses "
                               "(under torchrun)")
     evaluate.add_argument("config")
@@ -231,6 +244,11 @@ def main(argv=None) -> int:
     from megarl.config import ConfigError
 
     try:
+        if getattr(args, "dry_run", False):
+            from megarl.launch import dry_run
+
+            print(dry_run(args.command, args.config, args.overrides, args.nnodes, args.gpus_per_node, args.verbose))
+            return 0
         return {"train": _train, "sft": _sft, "run": _run, "report": _report, "eval": _eval,
                 "convert-gguf": _convert_gguf}[args.command](args)
     except ConfigError as e:

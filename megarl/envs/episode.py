@@ -26,6 +26,7 @@ class Episode:
     env_reward: float = 0.0
     info: dict = field(default_factory=dict)  # summed EnvStep.info counters
     weight_version: str | None = None
+    routed_experts: list[int] | None = None  # MoE routing of prompt + response[:-1] (from the episode's last turn)
 
     def add(self, ids: list[int], trained: bool, log_probs: list[float] | None = None) -> None:
         self.response_ids += ids
@@ -66,7 +67,7 @@ def run_episodes(generate: Callable, tok, envs: list[Env], records: list, params
                                    "log-probs for one turn")
             ep = episodes[i]
             ep.add(c.output_ids, True, c.output_log_probs)
-            ep.turns, ep.weight_version = turn + 1, c.weight_version
+            ep.turns, ep.weight_version, ep.routed_experts = turn + 1, c.weight_version, c.routed_experts
             ep.final_text = tok.decode(c.output_ids)
             texts.append(ep.final_text)
         steps = list((threads.map if threads else map)(lambda a: envs[a[0]].step(a[1]), zip(live, texts)))

@@ -38,6 +38,7 @@ class TokenBatch:
     segment_ids: Optional[torch.Tensor] = None  # [b, s] packed samples numbered from 1 (0: padding); None: one per row
     returns: Optional[torch.Tensor] = None  # critic targets (GAE returns)
     old_values: Optional[torch.Tensor] = None  # the critic's values at rollout time (value clipping anchor)
+    routed_experts: Optional[torch.Tensor] = None  # [b, s, layers, top-k] the engine's MoE routing (R3 replay)
 
     def rows(self, index) -> "TokenBatch":
         return replace(self, **{f.name: getattr(self, f.name)[index] for f in fields(self)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..models.forward import causal_inputs
+from ..models.moe import replay_routing
 from .rl import TokenBatch, make_loss_func, make_value_loss_func, reduce_metrics, values_from_head
 from .vocab_parallel import vocab_parallel_logprob_entropy
 
@@ -15,7 +16,9 @@ def run_schedule(model: list, micro_batches: list[TokenBatch], loss_func_for, fo
 
     def forward_step(data_iterator, chunk):
         batch = next(data_iterator)
-        return chunk(*causal_inputs(batch.input_ids, batch.segment_ids)), loss_func_for(batch)
+        with replay_routing(_unwrap(chunk), batch.routed_experts):  # R3: the engine's experts (MoE), else no-op
+            output = chunk(*causal_inputs(batch.input_ids, batch.segment_ids))
+        return output, loss_func_for(batch)
 
     iterators = [iter(micro_batches) for _ in model] if len(model) > 1 else iter(micro_batches)
     return get_forward_backward_func()(

@@ -27,6 +27,9 @@ class Completion:
     finish_reason: str  # "length" | "stop" | "abort"
     weight_version: str | None
     input_log_probs: list[float] | None = None  # with logprob_start_len=0: log p(prompt[t] | prompt[:t]), t >= 1
+    # with return_routed_experts (server --enable-return-routed-experts): the MoE experts each position of
+    # prompt + output[:-1] was routed to, flat [positions * layers * top-k] int32
+    routed_experts: list[int] | None = None
 
 
 class EngineClient:
@@ -73,12 +76,15 @@ class EngineClient:
 
     # ----------------------------------------------------------------------------------------------- generation
     def generate(self, prompts: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
-                 return_logprob: bool = True, logprob_start_len: int | None = None) -> list[Completion]:
+                 return_logprob: bool = True, logprob_start_len: int | None = None,
+                 return_routed_experts: bool = False) -> list[Completion]:
         """One batched /generate; token ids in, token ids and per-token log-probs out. sampling_params: one dict for
         the batch or one per prompt."""
         payload = {"input_ids": prompts, "sampling_params": sampling_params, "return_logprob": return_logprob}
         if logprob_start_len is not None:
             payload["logprob_start_len"] = logprob_start_len
+        if return_routed_experts:
+            payload["return_routed_experts"] = True
         outputs = self.call("/generate", payload)
         if isinstance(outputs, dict):
             outputs = [outputs]
@@ -93,7 +99,8 @@ class EngineClient:
                 prompt_ids=list(prompt), output_ids=list(out.get("output_ids") or []),
                 output_log_probs=[x[0] for x in meta.get("output_token_logprobs") or []],
                 finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish),
-                weight_version=meta.get("weight_version"), input_log_probs=input_lp))
+                weight_version=meta.get("weight_version"), input_log_probs=input_lp,
+                routed_experts=_routed_experts(meta) if return_routed_experts else None))
         return completions
 
     def prompt_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -150,6 +157,19 @@ class EngineClient:
             return self.call(path, {})
         logger.info("%s skipped: SGLang releases memory only on GPU (CPU run)", path)
         return None
+
+
+def _routed_experts(meta: dict) -> list[int]:
+    """SGLang sends the routing as base64 of an int32 array (sglang/srt/state_capturer/routed_experts.py)."""
+    import base64
+
+    import numpy as np
+
+    encoded = meta.get("routed_experts")
+    if not encoded:
+        raise EngineError("the engine returned no routed_experts; start it with --enable-return-routed-experts "
+                          "(megarl does when rollout.return_routed_experts or rollout.routing_replay is on)")
+    return np.frombuffer(base64.b64decode(encoded), dtype=np.int32).tolist()
 
 
 def _body(response):

@@ -29,6 +29,7 @@ class Sample:
     score: float = 0.0  # the reward after shaping (overlong penalty): what advantages see
     trained: bool = True  # False: kept for metrics, no loss (overlong masking)
     loss_mask: list[int] | None = None  # per response token (multi-turn: 0 on observations); None: all trained
+    routed_experts: list[int] | None = None  # the engine's MoE routing, flat [positions, layers, top-k] (R3)
     extra: dict = field(default_factory=dict)
 
 
@@ -57,8 +58,25 @@ def micro_batches_for(rows: int, seq_len: int, max_tokens: int) -> int:
     return max(1, min(rows, math.ceil(rows * seq_len / max_tokens)))
 
 
-def token_batch(samples: list[Sample], rows: int, seq_len: int, pad_id: int) -> TokenBatch:
-    """A TokenBatch of exactly `rows` rows (padding rows at the end carry no loss), with the rollout log-probs."""
+def routing_tensor(samples: list[Sample], rows: int, seq_len: int, shape: tuple[int, int]) -> torch.Tensor:
+    """[rows, seq_len, layers, top-k] int64: each sample's engine routing at its positions (prompt + response[:-1]);
+    elsewhere (the last token, whose output is never trained, and padding) experts 0..k-1, any valid choice."""
+    layers, k = shape
+    out = torch.arange(k).expand(rows, seq_len, layers, k).clone()
+    for i, s in enumerate(samples):
+        routed = torch.tensor(s.routed_experts, dtype=torch.int64)
+        positions = len(s.prompt_ids) + len(s.response_ids) - 1
+        if routed.numel() != positions * layers * k:
+            raise ValueError(f"sample {i}: the engine's routing has {routed.numel()} entries, expected {positions} "
+                             f"positions x {layers} layers x top-{k}")
+        out[i, :positions] = routed.view(positions, layers, k)
+    return out
+
+
+def token_batch(samples: list[Sample], rows: int, seq_len: int, pad_id: int,
+                routing_shape: tuple[int, int] | None = None) -> TokenBatch:
+    """A TokenBatch of exactly `rows` rows (padding rows at the end carry no loss), with the rollout log-probs (and,
+    given routing_shape = (layers, top-k) and samples carrying it, the engine's MoE routing)."""
     prompts = [s.prompt_ids for s in samples]
     responses = [s.response_ids for s in samples]
     pad_rows = rows - len(samples)
@@ -75,7 +93,10 @@ def token_batch(samples: list[Sample], rows: int, seq_len: int, pad_id: int) -> 
             mask[i, start:start + len(s.response_ids)] *= torch.tensor(s.loss_mask, dtype=mask.dtype)
     rollout = place_response_values([s.rollout_log_probs for s in samples] + [[]] * pad_rows,
                                     [len(p) for p in prompts], seq_len)
-    return TokenBatch(input_ids=input_ids, targets=targets, loss_mask=mask, rollout_log_probs=rollout * mask)
+    routed = routing_tensor(samples, rows, seq_len, routing_shape) \
+        if routing_shape and samples and samples[0].routed_experts is not None else None
+    return TokenBatch(input_ids=input_ids, targets=targets, loss_mask=mask, rollout_log_probs=rollout * mask,
+                      routed_experts=routed)
 
 
 @dataclass
@@ -87,7 +108,8 @@ class RankBatch:
 
 
 def rank_batch(samples: list[Sample], dp_rank: int, dp_size: int, pad_id: int, seq_multiple: int,
-               max_tokens_per_microbatch: int, row_multiple: int = 1) -> RankBatch:
+               max_tokens_per_microbatch: int, row_multiple: int = 1,
+               routing_shape: tuple[int, int] | None = None) -> RankBatch:
     """This DP rank's rows; the row count is a multiple of num_microbatches * row_multiple (mini-batches)."""
     shares = shard_groups(samples, dp_size)
     seq_len = padded_length(samples, seq_multiple)
@@ -95,5 +117,5 @@ def rank_batch(samples: list[Sample], dp_rank: int, dp_size: int, pad_id: int, s
     num_mb = micro_batches_for(rows // row_multiple or 1, seq_len, max_tokens_per_microbatch) * row_multiple
     rows = int(math.ceil(rows / num_mb) * num_mb)  # equal micro-batches in every mini-batch
     mine = shares[dp_rank]
-    return RankBatch(token_batch([samples[i] for i in mine], rows, seq_len, pad_id), mine, num_mb)
+    return RankBatch(token_batch([samples[i] for i in mine], rows, seq_len, pad_id, routing_shape), mine, num_mb)
 

@@ -2,12 +2,12 @@
 (megarl.config.load_config). Every field has a default, so a preset only says what differs."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from ..algorithms import AlgorithmConfig
 from ..config import ConfigError, load_config
-from ..parallel import ParallelConfig
+from ..parallel import ModelShape, ParallelConfig
 
 
 @dataclass
@@ -24,6 +24,19 @@ class ModelConfig:
     path: Optional[str] = None  # a local Hugging Face folder (architecture, tokenizer, initial weights)
     tiny: Optional[TinyModelConfig] = None  # instead of path: write a tiny random model into <run_dir>/base-model
     load: Optional[str] = None  # a megarl checkpoint (step or checkpoints/ folder); "sft": <run_dir>/sft/checkpoints
+    # The model's dimensions for `megarl train CONFIG --dry-run` when model.path is not on this machine (a preset for a
+    # model whose weights live elsewhere): keys of megarl.parallel.ModelShape, e.g. {num_layers: 48,
+    # num_attention_heads: 32, num_key_value_heads: 4, ffn_hidden_size: 6144, num_experts: 128,
+    # moe_ffn_hidden_size: 768}. The folder's config.json wins when it exists; training always reads config.json.
+    shape: Optional[dict] = None
+    # MoE RL options (declared and validated here; wiring into the model build is separate work):
+    # moe_aux_loss_coeff: Megatron's load-balancing loss coefficient; None keeps the HF config's router_aux_loss_coef.
+    # RL recipes usually set 0.0: the balancing loss would pull the policy gradient towards a uniform routing that the
+    # pretrained model (and the rollout engine, which has no such loss) does not follow.
+    moe_aux_loss_coeff: Optional[float] = None
+    # freeze_router_bias: keep the aux-loss-free expert bias (DeepSeek-V3-style e_score_correction_bias) fixed during
+    # RL instead of letting Megatron's bias-update rule move it by each small, skewed RL batch's expert load.
+    freeze_router_bias: bool = False
 
 
 @dataclass
@@ -75,7 +88,11 @@ class EngineConfig:
     mem_fraction_static: Optional[float] = None
     startup_timeout_s: float = 300.0
     router_policy: str = "least_loaded"
+    dtype: Optional[str] = None  # the engine's weights: None = float32 on CPU, bfloat16 on GPU (bfloat16 | float32)
     extra_args: list = field(default_factory=list)
+    # rollout.placement=disaggregated: how many nodes (the job's last ones) run only SGLang servers, each with
+    # gpus_per_node / tp_size servers. 0 with colocated (the engines share the trainer's GPUs).
+    nodes: int = 0
 
 
 @dataclass
@@ -94,6 +111,18 @@ class RolloutConfig:
     overlong_penalty: float = 1.0
     old_log_probs: str = "recompute"  # recompute (trainer forward) | rollout (engine log-probs + algorithm.mismatch)
     request_size: int = 64  # prompts per concurrent /generate request (rewards start as each returns)
+    # Where the SGLang engines run (megarl.launch.topology, `--dry-run` prints the layout):
+    #   colocated: on the trainer's GPUs, one engine per rollout.engine.tp_size GPUs; memory is released between the
+    #     rollout and training phases; weights go over reshard.transport=tensor (shared memory, no copy).
+    #   disaggregated: on their own nodes (rollout.engine.nodes, the job's last); the trainer gets the other nodes and
+    #     pushes weights over reshard.transport=distributed (NCCL broadcast into the engines).
+    placement: str = "colocated"
+    # MoE: the engine reports which experts it routed every token to (SGLang --enable-return-routed-experts); the
+    # trainer measures how often its own routing agrees (moe/routing_agreement).
+    return_routed_experts: bool = False
+    # Rollout routing replay (R3): the trainer's forward passes (old/ref log-probs, training) use the engine's
+    # routing instead of their own, through megatron-core's RouterReplay. Implies return_routed_experts.
+    routing_replay: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -153,6 +182,9 @@ class ReshardConfig:
     transport: str = "tensor"  # tensor (colocated) | distributed (NCCL/gloo broadcast) | disk
     bucket_mb: int = 512
     verify_every: int = 10  # verify the first sync, then every N (0: first only)
+    # the probe check's tolerance on engine vs trainer log-probs; None: 1e-3 for an fp32 engine, 5e-2 otherwise (a
+    # bf16 engine serving an fp32 trainer, MoE routing flips included, may need more; the checksums stay exact)
+    probe_atol: Optional[float] = None
 
 
 @dataclass
@@ -196,6 +228,10 @@ class TrainConfig:
         _choice("rollout.old_log_probs", self.rollout.old_log_probs, ("recompute", "rollout"))
         _choice("reshard.transport", self.reshard.transport, ("tensor", "distributed", "disk"))
         _choice("logging.wandb", self.logging.wandb, ("offline", "online", "disabled"))
+        if self.rollout.engine.dtype is not None:
+            _choice("rollout.engine.dtype", self.rollout.engine.dtype, ("bfloat16", "float32"))
+        self._validate_placement()
+        self._validate_model_options()
         for name in ("optim.decay_style", "sft.decay_style"):
             _choice(name, self._value(name), ("constant", "linear", "cosine"))
         for name in ("rollout.prompts_per_step", "rollout.n_samples", "rollout.max_new_tokens", "rl.steps",
@@ -229,6 +265,42 @@ class TrainConfig:
                               "engine sampled from")
         return self
 
+    def _validate_placement(self) -> None:
+        engine = self.rollout.engine
+        _choice("rollout.placement", self.rollout.placement, ("colocated", "disaggregated"))
+        for name in ("tp_size", "num_engines"):
+            if getattr(engine, name) < 1:
+                raise ConfigError(f"rollout.engine.{name} must be >= 1, got {getattr(engine, name)}")
+        if engine.nodes < 0:
+            raise ConfigError(f"rollout.engine.nodes must be >= 0, got {engine.nodes}")
+        if self.rollout.placement == "disaggregated":
+            if engine.nodes < 1:
+                raise ConfigError(f"rollout.placement=disaggregated needs rollout.engine.nodes >= 1 (the nodes that "
+                                  f"run only SGLang servers), got {engine.nodes}. Fix: set rollout.engine.nodes=1 "
+                                  "(or more), or use rollout.placement=colocated")
+            if self.reshard.transport != "distributed":
+                raise ConfigError(f"rollout.placement=disaggregated needs reshard.transport=distributed (the engines "
+                                  f"are on other nodes; {self.reshard.transport!r} only reaches engines on the "
+                                  "trainer's host). Fix: set reshard.transport=distributed")
+        elif engine.nodes:
+            raise ConfigError(f"rollout.engine.nodes={engine.nodes} is only used with rollout.placement=disaggregated "
+                              "(colocated engines share the trainer's GPUs). Fix: set rollout.engine.nodes=0, or "
+                              "rollout.placement=disaggregated")
+
+    def _validate_model_options(self) -> None:
+        model = self.model
+        shape = model_shape_hint(model.shape) if model.shape is not None else None
+        if model.moe_aux_loss_coeff is not None and model.moe_aux_loss_coeff < 0:
+            raise ConfigError(f"model.moe_aux_loss_coeff must be >= 0 (or null: the HF config's "
+                              f"router_aux_loss_coef), got {model.moe_aux_loss_coeff}")
+        if shape is not None and not shape.num_experts:
+            # A dense model has no router; 0.0 / false are harmless no-ops and accepted.
+            for name, active in (("moe_aux_loss_coeff", bool(model.moe_aux_loss_coeff)),
+                                 ("freeze_router_bias", model.freeze_router_bias)):
+                if active:
+                    raise ConfigError(f"model.{name} is set but model.shape has no num_experts (a dense model has no "
+                                      f"router). Fix: unset model.{name}, or add num_experts to model.shape")
+
     def _value(self, dotted: str):
         section, key = dotted.split(".")
         return getattr(getattr(self, section), key)
@@ -237,6 +309,28 @@ class TrainConfig:
 def _choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is unknown; choose one of {list(choices)}")
+
+
+_SHAPE_REQUIRED = ("num_layers", "num_attention_heads", "ffn_hidden_size")
+
+
+def model_shape_hint(hint: dict) -> ModelShape:
+    """model.shape (a preset's hint for a model folder that is not on this machine) -> ModelShape, checked."""
+    valid = [f.name for f in fields(ModelShape)]
+    unknown = sorted(set(hint) - set(valid))
+    if unknown:
+        raise ConfigError(f"model.shape has unknown key(s) {unknown}; valid keys: {valid}")
+    missing = [k for k in _SHAPE_REQUIRED if k not in hint]
+    if missing:
+        raise ConfigError(f"model.shape needs {missing}. Fix: copy them from the model's config.json "
+                          "(num_hidden_layers, num_attention_heads, intermediate_size)")
+    for key, value in hint.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"model.shape.{key} must be a positive integer, got {value!r}")
+    values = dict(hint)
+    if values.get("num_key_value_heads") is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]  # no GQA: as many KV heads as heads
+    return ModelShape(**values)
 
 
 def load_train_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:

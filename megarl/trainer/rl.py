@@ -22,6 +22,7 @@ from ..algorithms import compute_advantages, kl_estimate
 from ..config import to_dict
 from ..data import ChatTokenizer, load_prompts
 from ..losses import compute_log_probs, compute_values, prepare_global_batch, train_step
+from ..models.moe import RoutingStats, load_balance_metrics
 from ..reshard import TRANSPORTS, SyncConfig, WeightSync
 from ..rewards import RewardPool
 from ..rollout import EngineClient, EngineRouter, ServerConfig, SGLangServer
@@ -30,8 +31,8 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .logging import MetricsLog, PhaseTimer
 from .preemption import StopRequest
 from .rollout import PromptStream, Rollout, rollout_metrics
-from .setup import (build_critic, build_policy, build_reference, init_parallel, prepare_model_folder, prompt_tools,
-                    resolve_load)
+from .setup import (build_critic, build_policy, build_reference, init_parallel, moe_config_overrides,
+                    prepare_model_folder, prompt_tools, resolve_load)
 
 logger = logging.getLogger("megarl")
 
@@ -60,8 +61,11 @@ class RLTrainer:
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.tok = ChatTokenizer.from_pretrained(self.model_path)
         updates = cfg.rl.steps * cfg.rl.ppo_epochs * cfg.rl.mini_batches
-        self.policy = build_policy(folder, cfg.optim, updates, load=resolve_load(cfg))
+        self.policy = build_policy(folder, cfg.optim, updates, load=resolve_load(cfg),
+                                   config_overrides=moe_config_overrides(cfg, folder))
         self.bridge = self.policy.bridge
+        hf = folder.config  # the engine's routing per position: [layers, top-k] (MoE, rollout.return_routed_experts)
+        self.routing_shape = (hf.num_hidden_layers, hf.num_experts_per_tok) if folder.is_moe else None
         use_ref = cfg.rl.ref_model if cfg.rl.ref_model is not None else cfg.algorithm.kl_coef > 0
         self.ref = build_reference(self.bridge, self.policy.chunks) if use_ref else None
         self._offload_ref = self.ref is not None and cfg.rl.offload_ref and platform.on_gpu()
@@ -96,9 +100,10 @@ class RLTrainer:
                     e = cfg.rollout.engine
                     server = SGLangServer(ServerConfig(
                         model_path=self.model_path, tp_size=e.tp_size, max_total_tokens=e.max_total_tokens,
-                        mem_fraction_static=e.mem_fraction_static, random_seed=cfg.seed + i,
+                        mem_fraction_static=e.mem_fraction_static, random_seed=cfg.seed + i, dtype=e.dtype,
                         startup_timeout_s=e.startup_timeout_s, log_dir=os.path.join(cfg.run_dir, "engine"),
-                        seeded_sampling=cfg.rollout.deterministic, extra_args=list(e.extra_args)))
+                        seeded_sampling=cfg.rollout.deterministic, extra_args=list(e.extra_args) + (
+                            ["--enable-return-routed-experts"] if self._engine_routing() else [])))
                     self.servers.append(server.start())
                 urls = [s.url for s in self.servers]
         urls = broadcast(urls)
@@ -107,14 +112,19 @@ class RLTrainer:
         if self.rank == 0:
             self.router = EngineRouter(self.clients, cfg.rollout.engine.router_policy)
             self.rollout = Rollout(cfg, self.tok, self.router, self.rewards, tools=prompt_tools(cfg))
-        transport = TRANSPORTS[cfg.reshard.transport]
+        transport, e = TRANSPORTS[cfg.reshard.transport], cfg.rollout.engine
         self.syncs = []
         for i, client in enumerate(self.clients):
             t = transport(client, os.path.join(cfg.run_dir, "engine", f"weights-{i}")) \
                 if cfg.reshard.transport == "disk" else transport(client, cfg.rollout.engine.tp_size)
             self.syncs.append(WeightSync(self.bridge, self.policy.chunks, t, client if self.rank == 0 else None,
                                          SyncConfig(bucket_bytes=cfg.reshard.bucket_mb << 20,
-                                                    verify_every=cfg.reshard.verify_every)))
+                                                    verify_every=cfg.reshard.verify_every,
+                                                    probe_atol=cfg.reshard.probe_atol,
+                                                    engine_dtype=getattr(torch, e.dtype) if e.dtype else None)))
+
+    def _engine_routing(self) -> bool:
+        return self.cfg.rollout.return_routed_experts or self.cfg.rollout.routing_replay
 
     def _resume(self) -> None:
         path = latest_checkpoint(self.ckpt_root) if self.cfg.checkpoint.resume and \
@@ -142,8 +152,12 @@ class RLTrainer:
         # 2. This DP rank's rows: whole groups, balanced tokens, micro-batches by token budget.
         rb = rank_batch(samples, self.dp_rank, self.dp_size, self.tok.pad_id,
                         seq_multiple=self.ps.get_tensor_model_parallel_world_size(),
-                        max_tokens_per_microbatch=cfg.rl.max_tokens_per_microbatch, row_multiple=cfg.rl.mini_batches)
+                        max_tokens_per_microbatch=cfg.rl.max_tokens_per_microbatch, row_multiple=cfg.rl.mini_batches,
+                        routing_shape=self.routing_shape if self._engine_routing() else None)
         batch = rb.batch
+        engine_routing = batch.routed_experts  # MoE: the experts the engine used; replayed only with R3
+        if not cfg.rollout.routing_replay:
+            batch.routed_experts = None
         if cfg.rl.dump_rollouts:
             self._dump(step, samples, rb)
 
@@ -151,9 +165,12 @@ class RLTrainer:
         with timer("ref"):
             batch.ref_log_probs = self._ref_log_probs(rb) if self.ref is not None else None
         with timer("old_log_prob"):
+            routing = RoutingStats(self.policy.chunks) if engine_routing is not None else None
             batch.old_log_probs = self._log_probs(self.policy.model, rb) \
                 if cfg.rollout.old_log_probs == "recompute" else batch.rollout_log_probs
         mismatch = self._mismatch(batch) if cfg.rollout.old_log_probs == "recompute" else {}
+        if routing is not None:
+            mismatch.update(self._routing_metrics(routing, engine_routing, samples, rb))
 
         # 4. Advantages (groups are whole on this rank; batch-level statistics reduce over DP); with a critic, its
         #    values at rollout time and GAE returns.
@@ -247,6 +264,25 @@ class RLTrainer:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return {"mismatch/logprob_abs_diff": float(sums[0] / sums[1].clamp(min=1)),
                 "mismatch/logprob_abs_diff_max": float(peak[0])}
+
+    def _routing_metrics(self, routing: RoutingStats, engine_routing: torch.Tensor, samples, rb: RankBatch) -> dict:
+        """MoE: how often the routing of the old-log-prob forward (the trainer's own, or the engine's under R3) picked
+        the engine's experts, over each sample's positions but its last (whose output is never trained); expert load
+        balance and dropped tokens. Summed over all ranks (each pipeline stage holds its own layers)."""
+        routing.close()
+        positions = torch.zeros(rb.batch.input_ids.shape)
+        for row, index in enumerate(rb.sample_index):
+            positions[row, :len(samples[index].prompt_ids) + len(samples[index].response_ids) - 1] = 1
+        stats = torch.cat([routing.agreement(engine_routing, positions, rb.num_microbatches), routing.assignments()])
+        dist.all_reduce(stats)
+        loads = [None] * dist.get_world_size()
+        dist.all_gather_object(loads, routing.load())
+        merged: dict = {}
+        for part in loads:
+            for layer, tokens in part.items():
+                merged[layer] = merged.get(layer, 0) + tokens
+        return {"moe/routing_agreement": float(stats[0] / stats[1].clamp(min=1)),
+                "moe/dropped_token_frac": float(1 - stats[2] / stats[3].clamp(min=1)), **load_balance_metrics(merged)}
 
     def _advantages(self, samples, rb: RankBatch) -> tuple[torch.Tensor, torch.Tensor]:
         cfg, batch, real = self.cfg.algorithm, rb.batch, len(rb.sample_index)

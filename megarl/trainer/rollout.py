@@ -75,10 +75,15 @@ class Rollout:
         """One episode per request (record, sample index): a single engine turn, or a multi-turn env episode."""
         records = [r for _, r, _ in piece]
         env = self.cfg.env
+        routing = self.cfg.rollout.return_routed_experts or self.cfg.rollout.routing_replay
+
+        def generate(prompts, params):
+            return self.router.generate(prompts, params, return_routed_experts=routing)
+
         if env.name is None:
             params = [self.sampling_params(request_seed(*seed_parts, r.index, j), temperature, max_new_tokens)
                       for _, r, j in piece]
-            completions = self.router.generate([r.prompt_ids for r in records], params)
+            completions = generate([r.prompt_ids for r in records], params)
             episodes = []
             for r, c in zip(records, completions):
                 if len(c.output_log_probs) != len(c.output_ids):
@@ -86,7 +91,7 @@ class Rollout:
                                        "log-probs for one response")
                 episodes.append(Episode(list(r.prompt_ids), list(c.output_ids), [1] * len(c.output_ids),
                                         list(c.output_log_probs), c.finish_reason, 1, self.tok.decode(c.output_ids),
-                                        weight_version=c.weight_version))
+                                        weight_version=c.weight_version, routed_experts=c.routed_experts))
             return episodes
         envs = [make_env(env.name, tools=list(env.tools), tool_call_format=env.tool_call_format, **env.kwargs)
                 for _ in piece]
@@ -95,7 +100,7 @@ class Rollout:
             _, r, j = piece[i]
             return self.sampling_params(request_seed(*seed_parts, r.index, j, turn), temperature, max_new_tokens)
 
-        return run_episodes(self.router.generate, self.tok, envs, records, params, env.max_turns, max_new_tokens,
+        return run_episodes(generate, self.tok, envs, records, params, env.max_turns, max_new_tokens,
                             env.max_response_tokens, tools=self.tools, threads=self._env_threads)
 
     def generate(self, records: list[PromptRecord], n: int, seed_parts: tuple, temperature: float,
@@ -125,6 +130,7 @@ class Rollout:
                                       response_ids=e.response_ids, rollout_log_probs=e.log_probs,
                                       finish_reason=e.finish_reason, reward=reward, score=reward,
                                       loss_mask=e.loss_mask if multi_turn else None,
+                                      routed_experts=e.routed_experts,
                                       extra={"weight_version": e.weight_version, "turns": e.turns,
                                              "final_text": e.final_text, **e.info}))
         return samples

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel, platform
+from ..config import ConfigError
 from ..models import ModelBridge, open_model_folder, write_tiny_model
 
 
@@ -81,11 +82,34 @@ def resolve_load(cfg) -> str | None:
     return cfg.model.load
 
 
-def build_policy(folder, optim, total_steps: int, load: str | None = None) -> Policy:
+def moe_config_overrides(cfg, folder) -> dict:
+    """TransformerConfig fields the MoE RL options set (after checking the model has experts)."""
+    options = {"rollout.routing_replay": cfg.rollout.routing_replay,
+               "rollout.return_routed_experts": cfg.rollout.return_routed_experts,
+               "model.moe_aux_loss_coeff": cfg.model.moe_aux_loss_coeff is not None,
+               "model.freeze_router_bias": cfg.model.freeze_router_bias}
+    if not folder.is_moe:
+        if any(options.values()):
+            on = [k for k, v in options.items() if v]
+            raise ConfigError(f"{', '.join(on)} apply to MoE models; {folder.path} is dense ({folder.model_type}). "
+                              "Fix: unset them or use an MoE model")
+        return {}
+    overrides = {}
+    if cfg.rollout.routing_replay:
+        overrides["moe_enable_routing_replay"] = True  # megatron-core RouterReplay in every router
+    if cfg.model.moe_aux_loss_coeff is not None:
+        overrides["moe_aux_loss_coeff"] = float(cfg.model.moe_aux_loss_coeff)
+    if cfg.model.freeze_router_bias:
+        overrides["moe_router_bias_update_rate"] = 0.0  # the aux-loss-free expert bias stays where it is
+    return overrides
+
+
+def build_policy(folder, optim, total_steps: int, load: str | None = None,
+                 config_overrides: dict | None = None) -> Policy:
     """Sharded policy with the HF weights (or a megarl checkpoint's model weights when `load` is set)."""
     from ..models.checkpoint import load_model_checkpoint
 
-    bridge = ModelBridge(folder)
+    bridge = ModelBridge(folder, config_overrides=config_overrides)
     chunks = bridge.build()
     if load:
         load_model_checkpoint(chunks, resolve_checkpoint(load))

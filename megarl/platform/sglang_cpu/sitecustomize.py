@@ -1,5 +1,7 @@
-"""Per-request seeded sampling for SGLang's CPU engine (loaded only by megarl's CPU SGLang servers: this folder is on
-their PYTHONPATH, and the patch applies only when MEGARL_SGLANG_SEEDED_SAMPLING=1).
+"""Import-time patches for SGLang's CPU engine, loaded only by megarl's CPU SGLang servers (this folder is on their
+PYTHONPATH). Each patch is applied when SGLang imports the module it patches.
+
+1. Per-request seeded sampling (only when MEGARL_SGLANG_SEEDED_SAMPLING=1).
 
 Why: an RL run that is killed and resumed must draw the same rollouts as an uninterrupted one, so megarl gives every
 request a `sampling_seed`. SGLang 0.5.23 honours per-request seeds only under --enable-deterministic-inference
@@ -17,10 +19,8 @@ import importlib.machinery
 import os
 import sys
 
-_TARGET = "sglang.srt.sampling.sampling_batch_info"
 
-
-def _patch(module) -> None:
+def _patch_seeded_sampling(module) -> None:
     import torch
 
     cls = module.SamplingBatchInfo
@@ -37,9 +37,34 @@ def _patch(module) -> None:
     cls.from_schedule_batch = classmethod(from_schedule_batch)
 
 
+def _patch_routed_experts_host_cache(module) -> None:
+    """2. Routed-experts capture (--enable-return-routed-experts, rollout routing replay) on CPU.
+
+    Why: SGLang 0.5.23 allocates the capturer's host buffer with pin_memory=True (sglang/srt/state_capturer/base.py:67,
+    BaseHostCache.__init__), which registers it with cudaHostRegister (sglang/srt/mem_cache/pool_host/common.py:147)
+    and fails on a CPU-only torch ("Torch not compiled with CUDA enabled"). On CPU the "device" and host buffers are
+    the same memory, so a plain tensor is what pinning would have bought. What: the capturer module's allocator table
+    gets a plain allocation for "cpu"; SGLang's shared table (HiCache host pools) is left alone.
+    """
+    import torch
+
+    def plain(dims, dtype, device, pin_memory, allocator, **_):
+        return torch.empty(dims, dtype=dtype, device=device)
+
+    table = dict(module.ALLOC_MEMORY_FUNCS)
+    table["cpu"] = plain
+    module.ALLOC_MEMORY_FUNCS = table
+
+
+_PATCHES = {"sglang.srt.state_capturer.base": _patch_routed_experts_host_cache}
+if os.environ.get("MEGARL_SGLANG_SEEDED_SAMPLING") == "1":
+    _PATCHES["sglang.srt.sampling.sampling_batch_info"] = _patch_seeded_sampling
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != _TARGET:
+        patch = _PATCHES.get(name)
+        if patch is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -49,11 +74,10 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_and_patch(module):
             exec_module(module)
-            _patch(module)
+            patch(module)
 
         loader.exec_module = exec_and_patch
         return spec
 
 
-if os.environ.get("MEGARL_SGLANG_SEEDED_SAMPLING") == "1":
-    sys.meta_path.insert(0, _PatchOnImport())
+sys.meta_path.insert(0, _PatchOnImport())

@@ -1,0 +1,525 @@
+"""Launch topology: where every trainer rank and SGLang engine runs, the rank groups, and what each node executes.
+
+    topo = plan(cfg, nnodes=2, gpus_per_node=8, config_path="configs/qwen3_30b_a3b_16gpu_disagg.yaml")
+    print(format_topology(topo, verbose=False))
+
+Pure functions: nothing here starts torch.distributed, opens weights or talks to the network. The rank groups come
+from megatron-core's own `parallel_state.RankGenerator`, built exactly as `initialize_model_parallel` builds them (a
+decoder generator for the dense groups, an expert generator for ep/etp/expert-dp, order tp-cp-ep-dp-pp), so the
+printed groups are the ones the job creates; tests/test_topology.py checks them against initialize_model_parallel
+itself, run with a fake world.
+
+Rank -> host: torchrun gives node i the global ranks i*G .. i*G+G-1 (G = --nproc-per-node), local GPU = rank % G.
+Placements (rollout.placement):
+  colocated      every node trains; the engines share the trainer's GPUs, one per rollout.engine.tp_size GPUs.
+  disaggregated  the last rollout.engine.nodes nodes run only SGLang servers (gpus_per_node / tp_size each); the
+                 trainer gets the first nnodes - engine.nodes nodes; weights go over reshard.transport=distributed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from ..config import ConfigError
+from ..parallel import ORDER, ModelShape, ParallelConfig, ParallelConfigError
+
+DEFAULT_GPUS_PER_NODE = 8
+RDZV_PORT = 29500  # torchrun's c10d rendezvous port on the first trainer node (MASTER_PORT overrides it)
+ENGINE_PORT = 30000  # SGLang's default port; engine k on a node listens on ENGINE_PORT + k
+
+
+class TopologyError(ConfigError):
+    """A launch layout that cannot run; the message names the field (or flag) and the fix. A ConfigError, so the
+    CLI reports it with exit code 2 like any other configuration error."""
+
+
+@dataclass(frozen=True)
+class GroupKind:
+    """One kind of process group: how megatron-core's initialize_model_parallel builds it."""
+    name: str  # the name printed by the dry run
+    title: str
+    generator: str  # "decoder" (dense layers) or "expert" (MoE layers): which RankGenerator
+    token: str  # the RankGenerator.get_ranks token initialize_model_parallel uses
+    group_desc: str  # the group_desc initialize_model_parallel passes to torch.distributed.new_group
+
+
+GROUP_KINDS = (
+    GroupKind("tp", "tensor parallel", "decoder", "tp", "TENSOR_MODEL_PARALLEL_GROUP"),
+    GroupKind("cp", "context parallel", "decoder", "cp", "CONTEXT_PARALLEL_GROUP"),
+    GroupKind("dp", "data parallel", "decoder", "dp", "DATA_PARALLEL_GROUP"),
+    GroupKind("dp-cp", "data parallel incl. cp (gradient all-reduce)", "decoder", "dp-cp",
+              "DATA_PARALLEL_GROUP_WITH_CP"),
+    GroupKind("pp", "pipeline parallel", "decoder", "pp", "PIPELINE_MODEL_PARALLEL_GROUP"),
+    GroupKind("tp-pp", "model parallel (tp x pp)", "decoder", "tp-gtp_remat-pp", "MODEL_PARALLEL_GROUP"),
+    GroupKind("ep", "expert parallel", "expert", "ep", "EXPERT_MODEL_PARALLEL_GROUP"),
+    GroupKind("etp", "expert tensor parallel", "expert", "tp", "EXPERT_TENSOR_PARALLEL_GROUP"),
+    GroupKind("expert-dp", "expert data parallel", "expert", "dp", "EXPERT_DATA_PARALLEL_GROUP"),
+)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One SGLang server: `tp` GPUs on one node."""
+    index: int
+    node: int
+    host: str
+    gpus: tuple[int, ...]  # local GPU ids on the node
+    port: Optional[int]  # None: the trainer picks a free port when it starts the engine
+    url: str
+    command: str
+
+
+@dataclass(frozen=True)
+class Node:
+    index: int
+    host: str
+    role: str  # "trainer", "trainer + engines" (colocated) or "engines" (disaggregated)
+    ranks: tuple[int, ...]  # the trainer's global ranks on this node (empty on engine nodes)
+    engines: tuple[int, ...]  # indices into Topology.engines
+    commands: tuple[str, ...]  # what to run on this node, in order (engines first, then the trainer)
+
+
+@dataclass(frozen=True)
+class Topology:
+    command: str  # train | run | sft
+    config_path: str
+    nnodes: int
+    gpus_per_node: int
+    placement: str
+    hosts: tuple[str, ...]
+    trainer_nodes: tuple[int, ...]
+    engine_nodes: tuple[int, ...]  # nodes that run SGLang servers (all of them when colocated)
+    world_size: int  # trainer ranks
+    parallel: ParallelConfig
+    sizes: dict  # tp pp vpp cp ep etp dp expert-dp
+    groups: dict  # GroupKind.name -> list of global rank lists
+    model_path: str
+    model_shape: Optional[ModelShape]
+    shape_source: str
+    engine_tp: int
+    engines: tuple[Engine, ...]
+    engines_started_by: str  # "trainer" (rank 0 starts them; engine.urls stays empty) or "nodes" (pre-launched)
+    engine_urls: tuple[str, ...]  # what rollout.engine.urls the trainer gets (empty: it starts its own)
+    rdzv_endpoint: str
+    nodes: tuple[Node, ...]
+    launch_source: str = "--nnodes/--gpus-per-node"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def host_of(self, rank: int) -> tuple[int, int]:
+        """(node index, local GPU) of a trainer rank."""
+        return self.trainer_nodes[rank // self.gpus_per_node], rank % self.gpus_per_node
+
+
+# ----------------------------------------------------------------------------------------------- rank groups
+def rank_groups(parallel: ParallelConfig, world_size: int) -> dict[str, list[list[int]]]:
+    """Every group kind's global rank lists, from megatron-core's RankGenerator, built as initialize_model_parallel
+    (megatron-core 0.19.2) builds them: the same sizes, orders and get_ranks tokens."""
+    from megatron.core import parallel_state as ps
+
+    parallel.validate(world_size, on_gpu=True)
+    tp, pp, cp, ep, etp = parallel.tp, parallel.pp, parallel.cp, parallel.ep, parallel.expert_tp
+    # initialize_model_parallel inserts a size-1 'gtp_remat' axis after tp (decoder) and after ep (expert); a size-1
+    # axis changes no group, but using its helper keeps the orders literally the same.
+    inject = getattr(ps, "_inject_gtp_remat_axis", None)
+    decoder = ps.RankGenerator(tp=tp, ep=1, dp=world_size // (tp * pp * cp), pp=pp, cp=cp,
+                               order=inject(ORDER, after="tp") if inject else ORDER)
+    expert = ps.RankGenerator(tp=etp, ep=ep, dp=world_size // (etp * ep * pp), pp=pp, cp=1,
+                              order=inject(ORDER, after="ep") if inject else ORDER)
+    generators = {"decoder": decoder, "expert": expert}
+    groups = {}
+    for kind in GROUP_KINDS:
+        gen = generators[kind.generator]
+        token = "-".join(t for t in kind.token.split("-") if t in gen.order.split("-"))  # older: no gtp_remat axis
+        groups[kind.name] = gen.get_ranks(token)
+    if decoder.get_ranks("pp") != expert.get_ranks("pp"):  # initialize_model_parallel asserts the same
+        raise TopologyError("the dense and expert pipeline groups differ; megatron-core refuses this layout. "
+                            "Fix: change parallel.ep/etp so etp*ep divides tp*cp*dp")
+    return groups
+
+
+# ----------------------------------------------------------------------------------------------- model shape
+def model_shape(cfg) -> tuple[Optional[ModelShape], str]:
+    """(shape, where it came from): the model folder's config.json when it is here, else the preset's model.shape
+    hint, else a tiny model's settings; None when nothing says (the layout is then checked against the world only).
+    Reads config.json as JSON: no transformers, no weights."""
+    from ..trainer.config import model_shape_hint
+
+    m = cfg.model
+    if m.path:
+        config_json = os.path.join(m.path, "config.json")
+        if os.path.isfile(config_json):
+            try:
+                with open(config_json) as f:
+                    raw = json.load(f)
+            except (OSError, json.JSONDecodeError) as e:
+                raise TopologyError(f"{config_json} cannot be read ({e}). Fix: restore config.json") from None
+            return _shape_from_hf(raw, config_json), config_json
+        if m.shape is not None:
+            return model_shape_hint(m.shape), f"model.shape (the preset's hint; {m.path} is not on this machine)"
+        return None, f"unknown ({m.path}/config.json is not here and the preset has no model.shape)"
+    if m.tiny is not None:
+        from ..models import tiny  # the settings write_tiny_model would use (nothing is written)
+
+        raw = {**tiny._BASE, **tiny._FAMILY.get(m.tiny.family, {}), **m.tiny.overrides}
+        return _shape_from_hf(raw, "model.tiny"), f"model.tiny ({m.tiny.family})"
+    if m.shape is not None:
+        return model_shape_hint(m.shape), "model.shape"
+    return None, "unknown"
+
+
+def _shape_from_hf(raw: dict, source: str) -> ModelShape:
+    """HF config.json fields -> ModelShape, as megarl.models.hf.HFModelFolder.shape() maps them (plus DeepSeek's
+    n_routed_experts, so a DeepSeek-V3 folder can be planned although megarl cannot build it yet)."""
+    try:
+        heads = int(raw["num_attention_heads"])
+        return ModelShape(num_layers=int(raw["num_hidden_layers"]), num_attention_heads=heads,
+                          num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                          ffn_hidden_size=int(raw["intermediate_size"]),
+                          num_experts=raw.get("num_experts") or raw.get("n_routed_experts"),
+                          moe_ffn_hidden_size=raw.get("moe_intermediate_size"))
+    except (KeyError, TypeError, ValueError) as e:
+        raise TopologyError(f"{source}: cannot read the model shape ({e!r} missing or not an integer). Fix: restore "
+                            "config.json from the original model") from None
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", overrides: tuple = (),
+         command: str = "train", hosts: Optional[list[str]] = None, rdzv_port: int = RDZV_PORT,
+         launch_source: str = "--nnodes/--gpus-per-node") -> Topology:
+    """Where everything runs for `cfg` (a validated TrainConfig) on `nnodes` x `gpus_per_node` GPUs. `hosts`: the
+    node names (default node0, node1, ... placeholders); the rest only shapes the printed commands."""
+    if nnodes < 1:
+        raise TopologyError(f"--nnodes must be >= 1, got {nnodes}")
+    if gpus_per_node < 1:
+        raise TopologyError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
+    hosts = list(hosts) if hosts else [f"node{i}" for i in range(nnodes)]
+    if len(hosts) != nnodes:
+        raise TopologyError(f"{len(hosts)} host names for --nnodes {nnodes}. Fix: pass --nnodes {len(hosts)}")
+    placement, engine_cfg = cfg.rollout.placement, cfg.rollout.engine
+    engine_tp = engine_cfg.tp_size
+    if gpus_per_node % engine_tp:
+        raise TopologyError(
+            f"rollout.engine.tp_size={engine_tp} does not divide --gpus-per-node {gpus_per_node}: an SGLang engine "
+            f"runs on one node. Fix: set rollout.engine.tp_size to a divisor of {gpus_per_node}")
+    notes = []
+    if placement == "disaggregated":
+        if engine_cfg.nodes >= nnodes:
+            fix = f"lower rollout.engine.nodes to at most {nnodes - 1}, or " if nnodes > 1 else ""
+            raise TopologyError(
+                f"rollout.engine.nodes={engine_cfg.nodes} leaves no node for the trainer on --nnodes {nnodes}. Fix: "
+                f"{fix}launch at least {engine_cfg.nodes + 1} nodes, or use rollout.placement=colocated")
+        trainer_nodes = tuple(range(nnodes - engine_cfg.nodes))
+        engine_nodes = tuple(range(nnodes - engine_cfg.nodes, nnodes))
+    else:
+        trainer_nodes = engine_nodes = tuple(range(nnodes))
+    world = len(trainer_nodes) * gpus_per_node
+    p = cfg.parallel
+    shape, shape_source = model_shape(cfg)
+    try:
+        p.validate(world, shape, on_gpu=True)  # planned for GPU nodes: cp > 1 is allowed
+    except ParallelConfigError as e:
+        where = f"{len(trainer_nodes)} trainer node(s) x {gpus_per_node} GPUs = {world} ranks"
+        raise TopologyError(f"{e} [{where}; model shape from {shape_source}]") from None
+    groups = rank_groups(p, world)
+    dp = world // (p.tp * p.pp * p.cp)
+    sizes = {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "ep": p.ep, "etp": p.expert_tp, "dp": dp,
+             "expert-dp": world // (p.expert_tp * p.ep * p.pp)}
+
+    model_path = cfg.model.path or os.path.join(cfg.run_dir, "base-model")
+    per_node = gpus_per_node // engine_tp
+    # Colocated on one node: the trainer's rank 0 starts the engines itself (megarl.trainer.rl), which is the path
+    # that releases engine memory between phases. Anything spanning nodes is pre-launched on each node.
+    started_by = "trainer" if placement == "colocated" and nnodes == 1 else "nodes"
+    engines = []
+    for node in engine_nodes:
+        for k in range(per_node):
+            gpus = tuple(range(k * engine_tp, (k + 1) * engine_tp))
+            if started_by == "trainer":  # as megarl.trainer.rl starts them: localhost, a free port
+                port, url = None, "http://127.0.0.1:<free port>"
+                line = engine_command(cfg, model_path, len(engines), host="127.0.0.1", port=None, base_gpu=None)
+            else:
+                port = ENGINE_PORT + k
+                url = f"http://{hosts[node]}:{port}"
+                line = engine_command(cfg, model_path, len(engines), host="0.0.0.0", port=port, base_gpu=gpus[0])
+            engines.append(Engine(index=len(engines), node=node, host=hosts[node], gpus=gpus, port=port, url=url,
+                                  command=line))
+    urls = tuple(e.url for e in engines) if started_by == "nodes" else ()
+
+    extra = []  # overrides the trainer needs on top of the user's
+    if started_by == "trainer":
+        if engine_cfg.num_engines != len(engines):
+            extra.append(f"rollout.engine.num_engines={len(engines)}")
+        if len(engines) > 1:
+            notes.append(f"{len(engines)} engines of tp {engine_tp} on one node: megarl.rollout.server starts each "
+                         "without --base-gpu-id, so today they would all use GPUs 0.."
+                         f"{engine_tp - 1}; set rollout.engine.tp_size={gpus_per_node} (one engine) until the "
+                         "server places engines on their own GPUs")
+        if engine_cfg.urls:
+            notes.append("rollout.engine.urls is set: the trainer uses those servers and starts none; the engines "
+                         "above are what it would start with urls empty")
+    else:
+        extra.append("rollout.engine.urls=" + json.dumps(list(urls), separators=(",", ":")))
+        if engine_cfg.urls:
+            notes.append(f"rollout.engine.urls={list(engine_cfg.urls)} in the config is replaced by the urls above")
+        if placement == "colocated":
+            notes.append("multi-node colocated: the engines are pre-launched on every node and passed as "
+                         "rollout.engine.urls; megarl.trainer.rl releases/resumes engine memory only for engines it "
+                         "started itself, so with urls the engines keep their memory during training (set "
+                         "rollout.engine.mem_fraction_static low, or wire release for urls first)")
+        else:
+            notes.append("disaggregated: reshard.transport=distributed broadcasts from each owner rank to the engine; "
+                         "DistributedTransport's master_address must be that rank's reachable address (it defaults "
+                         "to 127.0.0.1, which only works on one host)")
+
+    rdzv_endpoint = f"{hosts[trainer_nodes[0]]}:{rdzv_port}"  # the c10d store runs on the first trainer node
+    node_plans = []
+    for node in range(nnodes):
+        on_node = tuple(e.index for e in engines if e.node == node)
+        commands = [engines[i].command for i in on_node] if started_by == "nodes" else []
+        ranks: tuple[int, ...] = ()
+        if node in trainer_nodes:
+            i = trainer_nodes.index(node)
+            ranks = tuple(range(i * gpus_per_node, (i + 1) * gpus_per_node))
+            commands.append(shlex.join([
+                "torchrun", "--nnodes", str(len(trainer_nodes)), "--nproc-per-node", str(gpus_per_node),
+                "--node-rank", str(i), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
+                "-m", "megarl.cli", command, config_path, *overrides, *extra]))
+        role = "trainer + engines" if ranks and on_node else ("trainer" if ranks else "engines")
+        node_plans.append(Node(index=node, host=hosts[node], role=role, ranks=ranks, engines=on_node,
+                               commands=tuple(commands)))
+    if len(trainer_nodes) > 1:
+        notes.append("torchrun's c10d rendezvous ignores --node-rank and numbers nodes by sorted host address; the "
+                     "rank -> node map above holds when the hosts sort in the order listed (zero-padded Slurm names "
+                     "do). For a pinned order use --rdzv-backend static")
+    if shape is not None and cfg.model.path and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+        notes.append(f"{cfg.model.path} is not on this machine: the layout was checked against model.shape; the run "
+                     "itself reads config.json and checks again")
+    return Topology(command=command, config_path=config_path, nnodes=nnodes, gpus_per_node=gpus_per_node,
+                    placement=placement, hosts=tuple(hosts), trainer_nodes=trainer_nodes, engine_nodes=engine_nodes,
+                    world_size=world, parallel=p, sizes=sizes, groups=groups, model_path=model_path,
+                    model_shape=shape, shape_source=shape_source, engine_tp=engine_tp, engines=tuple(engines),
+                    engines_started_by=started_by, engine_urls=urls, rdzv_endpoint=rdzv_endpoint,
+                    nodes=tuple(node_plans), launch_source=launch_source, notes=tuple(notes))
+
+
+def engine_command(cfg, model_path: str, index: int, host: str, port: Optional[int],
+                   base_gpu: Optional[int]) -> str:
+    """The GPU form of megarl.rollout.server.server_command (which builds it for the device it runs on; a dry run
+    plans for GPU nodes from anywhere). Pre-launched engines add --base-gpu-id so each engine on a node gets its own
+    GPUs; port None prints FREE_PORT (the trainer picks one)."""
+    e = cfg.rollout.engine
+    cmd = ["python", "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
+           "--port", "FREE_PORT" if port is None else str(port), "--tp-size", str(e.tp_size)]
+    if base_gpu is not None:
+        cmd += ["--base-gpu-id", str(base_gpu)]
+    # getattr: rollout.engine.dtype and the MoE routing options are newer fields; a config without them plans too.
+    cmd += ["--random-seed", str(cfg.seed + index), "--dtype", getattr(e, "dtype", None) or "bfloat16",
+            "--log-level", "warning", "--skip-server-warmup"]
+    if e.max_total_tokens:
+        cmd += ["--max-total-tokens", str(e.max_total_tokens)]
+    if e.mem_fraction_static:
+        cmd += ["--mem-fraction-static", str(e.mem_fraction_static)]
+    if cfg.rollout.deterministic:
+        cmd += ["--enable-deterministic-inference"]
+    if getattr(cfg.rollout, "return_routed_experts", False) or getattr(cfg.rollout, "routing_replay", False):
+        cmd += ["--enable-return-routed-experts"]
+    return shlex.join(cmd + [str(a) for a in e.extra_args])
+
+
+# ---------------------------------------------------------------------------------------- launch environment
+def launch_defaults(environ: Optional[Mapping[str, str]] = None) -> tuple[int, int, str]:
+    """(nnodes, gpus_per_node, source) from the launcher's variables, as DistributedEnv reads them: torchrun's
+    first (GROUP_WORLD_SIZE nodes x LOCAL_WORLD_SIZE), then Slurm's (SLURM_JOB_NUM_NODES x SLURM_GPUS_ON_NODE or
+    tasks per node), else 1 x 8."""
+    env = os.environ if environ is None else environ
+    if "WORLD_SIZE" in env and "LOCAL_WORLD_SIZE" in env:
+        gpus = _env_int(env, "LOCAL_WORLD_SIZE")
+        nodes = _env_int(env, "GROUP_WORLD_SIZE") if env.get("GROUP_WORLD_SIZE") else \
+            _env_int(env, "WORLD_SIZE") // gpus
+        return nodes, gpus, "torchrun environment (GROUP_WORLD_SIZE, LOCAL_WORLD_SIZE)"
+    nodes_key = next((k for k in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES") if env.get(k)), None)
+    if nodes_key:
+        nodes = _env_int(env, nodes_key)
+        for key in ("SLURM_GPUS_ON_NODE", "SLURM_NTASKS_PER_NODE"):
+            if env.get(key):
+                return nodes, _env_int(env, key), f"Slurm environment ({nodes_key}, {key})"
+        if env.get("SLURM_NTASKS"):
+            return nodes, _env_int(env, "SLURM_NTASKS") // nodes, f"Slurm environment ({nodes_key}, SLURM_NTASKS)"
+        return nodes, DEFAULT_GPUS_PER_NODE, f"Slurm environment ({nodes_key}); {DEFAULT_GPUS_PER_NODE} GPUs/node"
+    return 1, DEFAULT_GPUS_PER_NODE, f"default (1 node x {DEFAULT_GPUS_PER_NODE} GPUs)"
+
+
+def launch_hosts(nnodes: int, environ: Optional[Mapping[str, str]] = None) -> Optional[list[str]]:
+    """The job's host names from SLURM_JOB_NODELIST when it lists exactly `nnodes` hosts, else None (placeholders)."""
+    env = os.environ if environ is None else environ
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        return None
+    hosts = expand_hostlist(nodelist)
+    return hosts if len(hosts) == nnodes else None
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """A Slurm hostlist expression -> host names: 'gpu[003-005,9],cpu1' -> gpu003 gpu004 gpu005 gpu9 cpu1
+    (zero padding kept; one bracket per name, as Slurm writes them)."""
+    hosts = []
+    for prefix, ranges, suffix in re.findall(r"([^,\[]+)(?:\[([^\]]+)\])?([^,\[]*)", nodelist):
+        if not ranges:
+            hosts.append(prefix + suffix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            for n in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{n:0{len(lo)}d}{suffix}")
+    return hosts
+
+
+def _env_int(env: Mapping[str, str], key: str) -> int:
+    match = re.match(r"\s*(\d+)", env.get(key, ""))  # SLURM_*_PER_NODE may read "8(x2)"
+    if not match or int(match.group(1)) < 1:
+        raise TopologyError(f"environment variable {key}={env.get(key)!r} is not a positive integer. Fix: unset it, "
+                            "or pass --nnodes/--gpus-per-node")
+    return int(match.group(1))
+
+
+# ---------------------------------------------------------------------------------------------- formatting
+def format_topology(topo: Topology, verbose: bool = False) -> str:
+    """The dry run's report. Compact unless `verbose`: the first 2 groups of each kind and a count."""
+    G = topo.gpus_per_node
+    s = topo.sizes
+    lines = [f"megarl dry run: {topo.command} {topo.config_path} on {topo.nnodes} node(s) x {G} GPUs "
+             f"[{topo.launch_source}]; placement {topo.placement}"]
+    shape = topo.model_shape
+    if shape is not None:
+        moe = f", {shape.num_experts} experts (moe ffn {shape.moe_ffn_hidden_size})" if shape.num_experts else ""
+        lines.append(f"model     {topo.model_path}: {shape.num_layers} layers, {shape.num_attention_heads} heads / "
+                     f"{shape.num_key_value_heads} KV heads, ffn {shape.ffn_hidden_size}{moe}  "
+                     f"[shape from {topo.shape_source}]")
+    else:
+        lines.append(f"model     {topo.model_path}: shape {topo.shape_source}; layout checked against the world only")
+    lines.append(f"parallel  tp={s['tp']} pp={s['pp']} vpp={s['vpp'] or '-'} cp={s['cp']} ep={s['ep']} "
+                 f"etp={s['etp']} | dp={s['dp']} expert-dp={s['expert-dp']} | trainer world {topo.world_size} "
+                 f"on node(s) {_span(topo.trainer_nodes)}, order {ORDER}")
+    lines.append("")
+    lines.append("rank groups (megatron.core.parallel_state.RankGenerator, as initialize_model_parallel builds them)"
+                 + ("" if verbose else "; first 2 of each kind, --verbose lists all"))
+    for kind in GROUP_KINDS:
+        groups = topo.groups[kind.name]
+        spans = max(len({topo.host_of(r)[0] for r in g}) for g in groups)
+        where = "each within one node" if spans == 1 else f"up to {spans} nodes per group"
+        if len(groups[0]) == 1 and not verbose:  # size 1: this kind of parallelism is off
+            lines.append(f"  {kind.name:<9} {kind.title}: {len(groups)} group(s) of 1 (off: no communication)")
+            continue
+        lines.append(f"  {kind.name:<9} {kind.title}: {len(groups)} group(s) of {len(groups[0])}, {where}")
+        shown = groups if verbose else groups[:2]
+        for g in shown:
+            lines.append(f"    {_fmt_ranks(g, verbose):<44} {_fmt_hosts(topo, g)}")
+        if len(shown) < len(groups):
+            lines.append(f"    ... {len(groups) - len(shown)} more")
+    lines.append("")
+    lines.append("nodes")
+    skipped: list[int] = []
+    for node in topo.nodes:
+        if not verbose and not _shown(topo, node):
+            skipped.append(node.index)
+            continue
+        if skipped:
+            lines.append(f"  ... node(s) {_span(skipped)}: the same, with their own ranks")
+            skipped = []
+        what = []
+        if node.ranks:
+            what.append(f"trainer ranks {node.ranks[0]}-{node.ranks[-1]}")
+        if node.engines:
+            what.append(f"{len(node.engines)} SGLang engine(s) of tp {topo.engine_tp}")
+        lines.append(f"  node {node.index} ({node.host}): {node.role}: {', '.join(what)}")
+    lines.append("")
+    if topo.placement == "disaggregated":
+        how = "on their own nodes; weights go over reshard.transport=distributed"
+    elif topo.engines_started_by == "trainer":
+        how = "on the trainer's GPUs; engine memory is released while the trainer trains"
+    else:
+        how = "on the trainer's GPUs, pre-launched on each node (see the notes on memory)"
+    lines.append(f"engines   {len(topo.engines)} x SGLang tp {topo.engine_tp}, {how}")
+    shown_engines = topo.engines if verbose or len(topo.engines) <= 8 else topo.engines[:4]
+    for e in shown_engines:
+        lines.append(f"  engine {e.index}: node {e.node} ({e.host}) GPUs {_range(e.gpus)}  {e.url}")
+    if len(shown_engines) < len(topo.engines):
+        lines.append(f"  ... {len(topo.engines) - len(shown_engines)} more")
+    if topo.engines_started_by == "trainer":
+        lines.append("  started by the trainer's rank 0 (rollout.engine.urls stays empty); each runs the command below")
+    else:
+        lines.append(f"  rollout.engine.urls for the trainer: {json.dumps(list(topo.engine_urls))}")
+    lines.append("")
+    lines.append("commands per node (each a long-running process: start the SGLang servers first, in the "
+                 "background or one srun step each; the trainer waits for them up to rollout.engine.startup_timeout_s)")
+    skipped = []
+    for node in topo.nodes:
+        if not verbose and not _shown(topo, node):
+            skipped.append(node.index)
+            continue
+        if skipped:
+            lines.append(f"  ... node(s) {_span(skipped)}: the same, with their own host and --node-rank")
+            skipped = []
+        lines.append(f"  node {node.index} ({node.host}):")
+        for c in node.commands:
+            lines.append(f"    {c}")
+    if topo.engines_started_by == "trainer":
+        lines.append("  started by trainer rank 0 on node 0 (megarl.rollout.server), equivalent to:")
+        for e in topo.engines:
+            lines.append(f"    {e.command}")
+    if topo.notes:
+        lines.append("")
+        lines.append("notes")
+        lines += [f"  - {n}" for n in topo.notes]
+    return "\n".join(lines)
+
+
+def _shown(topo: Topology, node: Node) -> bool:
+    """Compact output: the first two and the last node of each role; the ones between differ only in host, ranks
+    and --node-rank."""
+    same_role = [n.index for n in topo.nodes if n.role == node.role]
+    return node.index in same_role[:2] + same_role[-1:]
+
+
+def _fmt_ranks(ranks: list[int], verbose: bool) -> str:
+    if verbose or len(ranks) <= 8:
+        return "[" + ", ".join(map(str, ranks)) + "]"
+    step = ranks[1] - ranks[0]
+    if all(b - a == step for a, b in zip(ranks, ranks[1:])):
+        return f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)} ranks, stride {step})"
+    return f"[{', '.join(map(str, ranks[:4]))}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
+
+
+def _fmt_hosts(topo: Topology, ranks: list[int]) -> str:
+    """'node 0 GPUs 0-3' or 'nodes 0-15 GPU 0': nodes that hold the same local GPUs are merged."""
+    by_node: dict[int, list[int]] = {}
+    for r in ranks:
+        node, gpu = topo.host_of(r)
+        by_node.setdefault(node, []).append(gpu)
+    by_gpus: dict[tuple, list[int]] = {}
+    for node, gpus in by_node.items():
+        by_gpus.setdefault(tuple(sorted(gpus)), []).append(node)
+    parts = []
+    for gpus, nodes in by_gpus.items():
+        parts.append(f"node{'s' if len(nodes) > 1 else ''} {_span(nodes)} GPU{'s' if len(gpus) > 1 else ''} "
+                     f"{_range(gpus)}")
+    return "; ".join(parts)
+
+
+def _range(values) -> str:
+    """[0,1,2,3] -> '0-3'; [0,2,4] -> '0,2,4'; runs of consecutive values are joined."""
+    values = sorted(values)
+    runs, start = [], values[0]
+    for a, b in zip(values, values[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start}-{a}" if a != start else f"{a}")
+            start = b
+    return ",".join(runs)
+
+
+def _span(nodes) -> str:
+    return _range(list(nodes))

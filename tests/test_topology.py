@@ -1,0 +1,270 @@
+"""megarl.launch: the dry run's rank groups equal what megatron-core builds, placements, commands, and errors.
+
+The group check runs megatron.core.parallel_state.initialize_model_parallel in this process against a FAKE world:
+torch.distributed's world size / rank / new_group are patched so that new_group records the rank lists it is asked
+for (NCCL and gloo alike) and hands back a dummy; nothing distributed starts. CPU only, no subprocess but one.
+"""
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+import torch.distributed as dist
+
+from megarl import cli
+from megarl.config import ConfigError
+from megarl.launch import (GROUP_KINDS, TopologyError, dry_run, expand_hostlist, format_topology, launch_defaults,
+                           launch_hosts, plan)
+from megarl.parallel import ORDER
+from megarl.trainer.config import load_train_config
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NUM_NODES", "SLURM_NNODES", "SLURM_GPUS_ON_NODE",
+                "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_env(monkeypatch):
+    for key in _LAUNCH_VARS:
+        monkeypatch.delenv(key, raising=False)
+
+
+def megatron_groups(monkeypatch, parallel, world_size: int, rank: int = 0) -> dict[str, list[list[int]]]:
+    """group_desc -> rank lists, as initialize_model_parallel creates them for `world_size` (seen from `rank`)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        pytest.skip("parallel_state is already initialised in this process")
+    recorded = defaultdict(list)
+
+    class FakeGroup:  # what parallel_state's getters ask of a group
+        def __init__(self, ranks):
+            self.ranks = list(ranks)
+
+        def size(self):
+            return len(self.ranks)
+
+        def rank(self):
+            return self.ranks.index(rank) if rank in self.ranks else -1
+
+    def new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False,
+                  group_desc=None):  # torch.distributed.new_group's signature (megatron's create_group passes all)
+        recorded[group_desc].append(list(ranks))
+        return FakeGroup(ranks)
+
+    with monkeypatch.context() as m:
+        m.setattr(dist, "is_initialized", lambda: True)
+        m.setattr(dist, "get_world_size", lambda group=None: world_size)
+        m.setattr(dist, "get_rank", lambda group=None: rank)
+        m.setattr(dist, "new_group", new_group)
+        try:
+            ps.initialize_model_parallel(  # the call megarl.parallel.initialize makes
+                tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
+                virtual_pipeline_model_parallel_size=parallel.vpp if (parallel.vpp or 1) > 1 else None,
+                context_parallel_size=parallel.cp, expert_model_parallel_size=parallel.ep,
+                expert_tensor_parallel_size=parallel.etp, order=ORDER)
+            sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                     ps.get_data_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+                     ps.get_expert_data_parallel_world_size())
+        finally:
+            ps.destroy_model_parallel()
+    recorded["_sizes"] = sizes
+    return dict(recorded)
+
+
+CASES = [  # (preset, nnodes, gpus per node, overrides): 8, 16, 64 and 128 GPUs
+    ("configs/qwen3_30b_a3b.yaml", 1, 8, []),
+    ("configs/qwen3_30b_a3b.yaml", 2, 8, []),  # colocated on 16: dp 4, expert-dp 2
+    ("configs/qwen3_30b_a3b_16gpu_disagg.yaml", 2, 8, []),  # 16 GPUs, the trainer gets 8
+    ("configs/deepseek_v3_64gpu.yaml", 8, 8, []),
+    ("configs/deepseek_v3.yaml", 16, 8, []),
+    # every group kind non-trivial at once: tp, pp (+vpp), cp, ep, etp != tp
+    ("configs/qwen3_30b_a3b.yaml", 4, 8, ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.cp=2",
+                                          "parallel.ep=4", "parallel.etp=2"]),
+]
+
+
+@pytest.mark.parametrize("preset,nnodes,gpus,overrides", CASES)
+def test_dry_run_groups_equal_megatron(monkeypatch, preset, nnodes, gpus, overrides):
+    cfg = load_train_config(preset, overrides)
+    topo = plan(cfg, nnodes, gpus, config_path=preset)
+    built = megatron_groups(monkeypatch, cfg.parallel, topo.world_size)
+    for kind in GROUP_KINDS:
+        assert topo.groups[kind.name] == built[kind.group_desc], kind.name
+    # gloo twins are the same ranks; every trainer rank is in exactly one group of each kind
+    assert built["DATA_PARALLEL_GROUP_GLOO"] == built["DATA_PARALLEL_GROUP"]
+    assert built["EXPERT_DATA_PARALLEL_GROUP_GLOO"] == built["EXPERT_DATA_PARALLEL_GROUP"]
+    for kind in GROUP_KINDS:
+        assert sorted(r for g in topo.groups[kind.name] for r in g) == list(range(topo.world_size)), kind.name
+    s = topo.sizes
+    assert built["_sizes"] == (s["tp"], s["pp"], s["dp"], s["ep"], s["expert-dp"])
+    assert s["dp"] == topo.world_size // (s["tp"] * s["pp"] * s["cp"])
+
+
+def test_8gpu_colocated_plan_and_output():
+    cfg = load_train_config("configs/qwen3_30b_a3b.yaml")
+    topo = plan(cfg, 1, 8, config_path="configs/qwen3_30b_a3b.yaml")
+    assert (topo.sizes["tp"], topo.sizes["ep"], topo.sizes["etp"], topo.sizes["dp"], topo.sizes["expert-dp"]) == \
+        (4, 8, 1, 2, 1)
+    assert topo.groups["tp"] == [[0, 1, 2, 3], [4, 5, 6, 7]] and topo.groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert topo.groups["ep"] == [list(range(8))] and topo.groups["etp"] == [[r] for r in range(8)]
+    assert topo.shape_source.startswith("model.shape") and topo.model_shape.num_experts == 128
+    assert topo.engines_started_by == "trainer" and topo.engine_urls == () and len(topo.engines) == 1
+    assert topo.engines[0].gpus == tuple(range(8))
+    (node,) = topo.nodes
+    assert node.role == "trainer + engines" and node.ranks == tuple(range(8))
+    assert node.commands == ("torchrun --nnodes 1 --nproc-per-node 8 --node-rank 0 --rdzv-backend c10d "
+                             "--rdzv-endpoint node0:29500 -m megarl.cli train configs/qwen3_30b_a3b.yaml",)
+    text = format_topology(topo)
+    assert "tp=4 pp=1 vpp=- cp=1 ep=8 etp=1 | dp=2 expert-dp=1" in text
+    assert "--tp-size 8" in text and "each within one node" in text
+
+
+def test_disaggregated_engines_on_last_nodes_with_urls():
+    cfg = load_train_config("configs/qwen3_30b_a3b_16gpu_disagg.yaml")
+    topo = plan(cfg, 2, 8, config_path="configs/qwen3_30b_a3b_16gpu_disagg.yaml")
+    assert topo.trainer_nodes == (0,) and topo.engine_nodes == (1,) and topo.world_size == 8
+    assert [(e.node, e.gpus, e.port) for e in topo.engines] == [(1, (0, 1), 30000), (1, (2, 3), 30001),
+                                                                 (1, (4, 5), 30002), (1, (6, 7), 30003)]
+    assert topo.engine_urls == tuple(f"http://node1:{30000 + k}" for k in range(4))
+    trainer, engines = topo.nodes
+    assert trainer.role == "trainer" and engines.role == "engines" and engines.ranks == ()
+    assert len(engines.commands) == 4 and "--tp-size 2 --base-gpu-id 2" in engines.commands[1]
+    assert all(c.startswith("python -m sglang.launch_server --model-path models/Qwen3-30B-A3B --host 0.0.0.0")
+               for c in engines.commands)
+    (torchrun,) = trainer.commands
+    assert torchrun.startswith("torchrun --nnodes 1 --nproc-per-node 8 --node-rank 0 --rdzv-backend c10d "
+                               "--rdzv-endpoint node0:29500 -m megarl.cli train")
+    # the urls override the trainer gets parses back to exactly these urls
+    override = next(a for a in shlex.split(torchrun) if a.startswith("rollout.engine.urls="))
+    again = load_train_config("configs/qwen3_30b_a3b_16gpu_disagg.yaml", [override])
+    assert again.rollout.engine.urls == list(topo.engine_urls)
+
+
+def test_disaggregated_three_nodes_with_slurm_hosts():
+    env = {"SLURM_JOB_NUM_NODES": "3", "SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_NODELIST": "gpu[007-009]"}
+    assert launch_defaults(env)[:2] == (3, 8)
+    hosts = launch_hosts(3, env)
+    assert hosts == ["gpu007", "gpu008", "gpu009"]
+    cfg = load_train_config("configs/qwen3_30b_a3b_16gpu_disagg.yaml", ["rollout.engine.nodes=2"])
+    topo = plan(cfg, 3, 8, hosts=hosts)
+    assert topo.trainer_nodes == (0,) and topo.engine_nodes == (1, 2) and len(topo.engines) == 8
+    assert topo.engine_urls[0] == "http://gpu008:30000" and topo.engine_urls[-1] == "http://gpu009:30003"
+    assert topo.rdzv_endpoint == "gpu007:29500"
+
+
+def test_multinode_colocated_ranks_and_hosts():
+    cfg = load_train_config("configs/deepseek_v3.yaml")
+    topo = plan(cfg, 16, 8, config_path="configs/deepseek_v3.yaml")
+    assert topo.world_size == 128 and topo.sizes["expert-dp"] == 1 and topo.sizes["dp"] == 16
+    assert topo.host_of(0) == (0, 0) and topo.host_of(127) == (15, 7) and topo.host_of(9) == (1, 1)
+    assert len(topo.engines) == 16 and topo.engines_started_by == "nodes"
+    assert [n.commands[-1].split()[:7] for n in topo.nodes[:2]] == [
+        ["torchrun", "--nnodes", "16", "--nproc-per-node", "8", "--node-rank", str(i)] for i in range(2)]
+    compact, verbose = format_topology(topo), format_topology(topo, verbose=True)
+    assert "... 14 more" in compact and "node(s) 2-14: the same" in compact
+    assert len(verbose.splitlines()) > len(compact.splitlines()) + 100
+    assert "up to 16 nodes per group" in compact  # dp crosses nodes; tp stays on one
+    assert "[0, 8, ..., 120] (16 ranks, stride 8)" in compact
+
+
+def test_launch_defaults_from_environment():
+    assert launch_defaults({})[:2] == (1, 8)
+    assert launch_defaults({"WORLD_SIZE": "32", "LOCAL_WORLD_SIZE": "8", "GROUP_WORLD_SIZE": "4"})[:2] == (4, 8)
+    assert launch_defaults({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "4"})[:2] == (4, 4)
+    assert launch_defaults({"SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "4"})[:2] == (2, 4)
+    assert expand_hostlist("gpu[003-005,9],cpu1") == ["gpu003", "gpu004", "gpu005", "gpu9", "cpu1"]
+    with pytest.raises(TopologyError, match="LOCAL_WORLD_SIZE"):
+        launch_defaults({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "x"})
+
+
+def test_cli_dry_run_prints_commands_without_distributed(monkeypatch, capsys):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a dry run must not start torch.distributed")
+
+    monkeypatch.setattr(dist, "init_process_group", refuse)
+    code = cli.main(["train", "configs/qwen3_30b_a3b.yaml", "--dry-run", "--nnodes", "1", "--gpus-per-node", "8"])
+    out = capsys.readouterr().out
+    assert code == 0 and not dist.is_initialized()
+    assert "torchrun --nnodes 1 --nproc-per-node 8 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint node0:29500 " \
+           "-m megarl.cli train configs/qwen3_30b_a3b.yaml" in out
+    assert "python -m sglang.launch_server --model-path models/Qwen3-30B-A3B" in out
+
+
+def test_cli_dry_run_in_a_fresh_process():
+    """The real command line, in its own interpreter: exit 0, the torchrun line, and no process group."""
+    code = ("import sys, torch.distributed as dist; from megarl import cli; "
+            "dist.init_process_group = None; rc = cli.main(sys.argv[1:]); "
+            "assert not dist.is_initialized(); sys.exit(rc)")
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    proc = subprocess.run([sys.executable, "-c", code, "run", "configs/qwen3_30b_a3b_16gpu_disagg.yaml",
+                           "--dry-run", "--nnodes", "2", "--gpus-per-node", "8"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "-m megarl.cli run configs/qwen3_30b_a3b_16gpu_disagg.yaml 'rollout.engine.urls=" in proc.stdout
+    assert "http://node1:30003" in proc.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    # world size not divisible by tp*pp*cp
+    (["configs/qwen3_30b_a3b.yaml", "parallel.tp=3"], r"world size 8 is not divisible by tp\*pp\*cp.*parallel.tp"),
+    # etp*ep*pp does not divide the world
+    (["configs/qwen3_30b_a3b.yaml", "parallel.ep=16"], r"etp\*ep\*pp = 1\*16\*1.*parallel.ep"),
+    # the model shape (from the preset's model.shape hint): 61 layers over pp 2, 100 experts over ep 8
+    (["configs/deepseek_v3.yaml", "parallel.pp=2", "parallel.ep=64", "--nnodes", "16"],
+     r"num_hidden_layers=61 is not divisible by pp\*vpp"),
+    (["configs/qwen3_30b_a3b.yaml", "parallel.ep=8", "parallel.tp=1", "model.shape.num_experts=100"],
+     r"num_experts=100 is not divisible by parallel.ep=8"),
+    # disaggregated needs a trainer node
+    (["configs/qwen3_30b_a3b_16gpu_disagg.yaml", "--nnodes", "1"],
+     r"rollout.engine.nodes=1 leaves no node for the trainer.*Fix"),
+    # an engine must fit on one node
+    (["configs/qwen3_30b_a3b.yaml", "--gpus-per-node", "6"], r"rollout.engine.tp_size=8 does not divide "
+                                                              r"--gpus-per-node 6"),
+    # disaggregated needs engine nodes and the distributed transport
+    (["configs/qwen3_30b_a3b_16gpu_disagg.yaml", "rollout.engine.nodes=0"],
+     r"needs rollout.engine.nodes >= 1.*Fix"),
+    (["configs/qwen3_30b_a3b_16gpu_disagg.yaml", "reshard.transport=tensor"], r"needs reshard.transport=distributed"),
+    (["configs/qwen3_30b_a3b.yaml", "rollout.engine.nodes=1"], r"rollout.engine.nodes=1 is only used with"),
+])
+def test_bad_inputs_exit_2_naming_the_field(capsys, argv, message):
+    nodes = [] if "--nnodes" in argv else ["--nnodes", "2" if "disagg" in argv[0] else "1"]
+    code = cli.main(["train", *argv, "--dry-run", *nodes])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert re.search(message, err), err
+
+
+def test_model_shape_and_moe_option_validation(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.shape has unknown key\(s\) \['layers'\]"):
+        load_train_config(None, ["model.path=x", "model.shape={layers: 2}"])
+    with pytest.raises(ConfigError, match=r"model.shape needs \['ffn_hidden_size'\]"):
+        load_train_config(None, ["model.path=x", "model.shape={num_layers: 2, num_attention_heads: 4}"])
+    with pytest.raises(ConfigError, match="model.moe_aux_loss_coeff must be >= 0"):
+        load_train_config(None, ["model.path=x", "model.moe_aux_loss_coeff=-1"])
+    with pytest.raises(ConfigError, match="model.freeze_router_bias is set but model.shape has no num_experts"):
+        load_train_config(None, ["model.path=x", "model.freeze_router_bias=true",
+                                 "model.shape={num_layers: 2, num_attention_heads: 4, ffn_hidden_size: 8}"])
+    with pytest.raises(ConfigError, match=r"rollout.placement='split' is unknown"):
+        load_train_config(None, ["model.path=x", "rollout.placement=split"])
+    # a model folder's config.json wins over the hint
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "intermediate_size": 64, "num_experts": 8, "moe_intermediate_size": 16}))
+    cfg = load_train_config("configs/qwen3_30b_a3b.yaml", [f"model.path={folder}", "parallel.tp=2"])
+    topo = plan(cfg, 1, 8)
+    assert topo.model_shape.num_layers == 6 and topo.shape_source.endswith("config.json")
+    with pytest.raises(TopologyError, match="num_key_value_heads=2 is not divisible by parallel.tp=4"):
+        plan(load_train_config("configs/qwen3_30b_a3b.yaml", [f"model.path={folder}"]), 1, 8)
+
+
+def test_quickstart_tiny_model_plans():
+    """A tiny-model preset plans from its tiny settings (nothing is written)."""
+    text = dry_run("run", "configs/quickstart.yaml", [], nnodes=1, gpus_per_node=1, environ={})
+    assert "4 layers, 4 heads / 2 KV heads" in text and "shape from model.tiny (qwen2)" in text
