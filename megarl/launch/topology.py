@@ -240,7 +240,8 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
             gpus = tuple(range(k * engine_tp, (k + 1) * engine_tp))
             if started_by == "trainer":  # as megarl.trainer.rl starts them: localhost, a free port
                 port, url = None, "http://127.0.0.1:<free port>"
-                line = engine_command(cfg, model_path, len(engines), host="127.0.0.1", port=None, base_gpu=None)
+                line = engine_command(cfg, model_path, len(engines), host="127.0.0.1", port=None,
+                                      base_gpu=gpus[0] if k else None)
             else:
                 port = ENGINE_PORT + k
                 url = f"http://{hosts[node]}:{port}"
@@ -253,11 +254,6 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
     if started_by == "trainer":
         if engine_cfg.num_engines != len(engines):
             extra.append(f"rollout.engine.num_engines={len(engines)}")
-        if len(engines) > 1:
-            notes.append(f"{len(engines)} engines of tp {engine_tp} on one node: megarl.rollout.server starts each "
-                         "without --base-gpu-id, so today they would all use GPUs 0.."
-                         f"{engine_tp - 1}; set rollout.engine.tp_size={gpus_per_node} (one engine) until the "
-                         "server places engines on their own GPUs")
         if engine_cfg.urls:
             notes.append("rollout.engine.urls is set: the trainer uses those servers and starts none; the engines "
                          "above are what it would start with urls empty")
@@ -271,9 +267,8 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
                          "started itself, so with urls the engines keep their memory during training (set "
                          "rollout.engine.mem_fraction_static low, or wire release for urls first)")
         else:
-            notes.append("disaggregated: reshard.transport=distributed broadcasts from each owner rank to the engine; "
-                         "DistributedTransport's master_address must be that rank's reachable address (it defaults "
-                         "to 127.0.0.1, which only works on one host)")
+            notes.append("disaggregated: the engines join the weight-broadcast group at trainer rank 0's host name "
+                         "(socket.gethostname()); set reshard.master_address if the engines reach it by another name")
 
     rdzv_endpoint = f"{hosts[trainer_nodes[0]]}:{rdzv_port}"  # the c10d store runs on the first trainer node
     node_plans = []

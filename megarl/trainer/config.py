@@ -185,6 +185,9 @@ class ReshardConfig:
     # the probe check's tolerance on engine vs trainer log-probs; None: 1e-3 for an fp32 engine, 5e-2 otherwise (a
     # bf16 engine serving an fp32 trainer, MoE routing flips included, may need more; the checksums stay exact)
     probe_atol: Optional[float] = None
+    # transport=distributed: the address engines on other hosts use to join the weight-broadcast group (rank 0's
+    # host). None: 127.0.0.1 for engines this run starts, else this host's name (socket.gethostname()).
+    master_address: Optional[str] = None
 
 
 @dataclass

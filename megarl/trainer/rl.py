@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 
 import torch
@@ -103,7 +104,9 @@ class RLTrainer:
                         mem_fraction_static=e.mem_fraction_static, random_seed=cfg.seed + i, dtype=e.dtype,
                         startup_timeout_s=e.startup_timeout_s, log_dir=os.path.join(cfg.run_dir, "engine"),
                         seeded_sampling=cfg.rollout.deterministic, extra_args=list(e.extra_args) + (
-                            ["--enable-return-routed-experts"] if self._engine_routing() else [])))
+                            ["--enable-return-routed-experts"] if self._engine_routing() else []) + (
+                            # several engines on one node: each on its own GPUs
+                            ["--base-gpu-id", str(i * e.tp_size)] if platform.on_gpu() and i else [])))
                     self.servers.append(server.start())
                 urls = [s.url for s in self.servers]
         urls = broadcast(urls)
@@ -115,8 +118,13 @@ class RLTrainer:
         transport, e = TRANSPORTS[cfg.reshard.transport], cfg.rollout.engine
         self.syncs = []
         for i, client in enumerate(self.clients):
-            t = transport(client, os.path.join(cfg.run_dir, "engine", f"weights-{i}")) \
-                if cfg.reshard.transport == "disk" else transport(client, cfg.rollout.engine.tp_size)
+            if cfg.reshard.transport == "disk":
+                t = transport(client, os.path.join(cfg.run_dir, "engine", f"weights-{i}"))
+            elif cfg.reshard.transport == "distributed":  # engines on other hosts join a group rank 0 hosts
+                t = transport(client, e.tp_size, master_address=cfg.reshard.master_address or
+                              ("127.0.0.1" if self.servers else socket.gethostname()))
+            else:
+                t = transport(client, e.tp_size)
             self.syncs.append(WeightSync(self.bridge, self.policy.chunks, t, client if self.rank == 0 else None,
                                          SyncConfig(bucket_bytes=cfg.reshard.bucket_mb << 20,
                                                     verify_every=cfg.reshard.verify_every,
