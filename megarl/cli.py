@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -205,7 +206,18 @@ def _report(args) -> int:
     return 0
 
 
+def _log_to_stderr() -> None:
+    """megarl's own INFO messages (resumed from ..., engine restarts) on stderr; other libraries keep their levels."""
+    logger = logging.getLogger("megarl")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[megarl] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def main(argv=None) -> int:
+    _log_to_stderr()
     parser = argparse.ArgumentParser(prog="megarl")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("train", "RL training (under torchrun)"), ("sft", "SFT cold start (under torchrun)"),

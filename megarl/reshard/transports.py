@@ -74,9 +74,16 @@ class DistributedTransport:
                 request.start()
                 from sglang.srt.utils.common import init_custom_process_group
 
-                self.group = init_custom_process_group(
-                    backend=platform.distributed_backend(), init_method=f"tcp://{self.master_address}:{port}",
-                    world_size=1 + self.engine_tp, rank=0, group_name=self.group_name)
+                # Under torchrun, TORCHELASTIC_USE_AGENT_STORE makes a tcp:// rendezvous with rank 0 a *client* of the
+                # agent's store instead of hosting a new one, so nobody hosts this group's store and the call hangs.
+                agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+                try:
+                    self.group = init_custom_process_group(
+                        backend=platform.distributed_backend(), init_method=f"tcp://{self.master_address}:{port}",
+                        world_size=1 + self.engine_tp, rank=0, group_name=self.group_name)
+                finally:
+                    if agent_store is not None:
+                        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
                 request.join()
                 _check(box.get("result"), "/init_weights_update_group", None, box.get("error"))
             dist.barrier()
