@@ -5,33 +5,15 @@ import os
 import subprocess
 import sys
 
-import yaml
-
 from megarl.parallel.env import free_port
+from tiny_rl import write_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = {"family": "qwen2", "tokenizer": "char",
-        "overrides": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                      "num_key_value_heads": 2, "vocab_size": 384, "max_position_embeddings": 128}}
 STEPS = 2
 
 
 def _config(tmp, name: str) -> str:
-    cfg = {"run_dir": str(tmp / name), "seed": 11, "model": {"tiny": TINY}, "parallel": {"tp": 2},
-           "data": {"train": "synthetic", "synthetic": {"max_operand": 9, "num_train": 60, "num_eval": 4},
-                    "max_prompt_tokens": 64},
-           "sft": {"steps": 0},
-           "rollout": {"prompts_per_step": 4, "n_samples": 4, "max_new_tokens": 6, "request_size": 2,
-                       "engine": {"max_total_tokens": 4096}},
-           "reward": {"name": "reward_fns:digit_fraction", "workers": 1},
-           "optim": {"lr": 2e-3},
-           "rl": {"steps": STEPS, "eval_samples": 2},
-           "reshard": {"bucket_mb": 1},
-           "checkpoint": {"export_hf": False},
-           "logging": {"wandb": "disabled", "progress": False}}
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return str(path)
+    return write_config(tmp, name, seed=11, parallel={"tp": 2}, rl={"steps": STEPS})
 
 
 def _agent(config: str, nnodes: int, node_rank: int, nproc: int, port: int, log: str) -> subprocess.Popen:

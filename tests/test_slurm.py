@@ -15,16 +15,13 @@ import sys
 import time
 
 import pytest
-import yaml
 
+from tiny_rl import write_config
 from megarl.testing.slurm import TERMINAL, BashSlurm, LocalSlurmCluster, SlurmUnavailable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "slurm", "train.sbatch")
 DISAGG = os.path.join(ROOT, "slurm", "train_disagg.sbatch")
-TINY = {"family": "qwen2", "tokenizer": "char",
-        "overrides": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                      "num_key_value_heads": 2, "vocab_size": 384, "max_position_embeddings": 128}}
 
 
 @pytest.fixture(scope="module")
@@ -73,22 +70,8 @@ def _layout(cluster) -> tuple[list, str]:
 
 
 def _config(tmp_path, name: str, steps: int) -> tuple[str, str]:
-    run_dir = tmp_path / name
-    cfg = {"run_dir": str(run_dir), "seed": 5, "model": {"tiny": TINY},
-           "data": {"train": "synthetic", "synthetic": {"max_operand": 9, "num_train": 60, "num_eval": 4},
-                    "max_prompt_tokens": 64},
-           "sft": {"steps": 0},
-           "rollout": {"prompts_per_step": 4, "n_samples": 4, "max_new_tokens": 6, "request_size": 2,
-                       "engine": {"max_total_tokens": 4096}},
-           "reward": {"name": "reward_fns:digit_fraction", "workers": 1},
-           "optim": {"lr": 2e-3},
-           "rl": {"steps": steps, "eval_samples": 2},
-           "reshard": {"bucket_mb": 1},
-           "checkpoint": {"save_every": 0, "export_hf": False},
-           "logging": {"wandb": "disabled", "progress": False}}
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return str(path), str(run_dir)
+    return write_config(tmp_path, name, seed=5, rl={"steps": steps}, checkpoint={"save_every": 0}), \
+        str(tmp_path / name)
 
 
 def _submit(cluster, tmp_path, name: str, args: list, env: dict | None = None) -> str:

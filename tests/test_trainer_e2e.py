@@ -9,14 +9,11 @@ import sys
 import time
 
 import pytest
-import yaml
 
 from megarl.testing import run_ranks
+from tiny_rl import TINY, write_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = {"family": "qwen2", "tokenizer": "char",
-        "overrides": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                      "num_key_value_heads": 2, "vocab_size": 384, "max_position_embeddings": 128}}
 
 
 # ------------------------------------------------------------------------------------------------------------ SFT
@@ -61,24 +58,13 @@ def test_sft_learns_a_task_that_needs_aligned_labels(tmp_path):
 
 # ------------------------------------------------------------------------------------------------------------- RL
 def _rl_config(tmp_path, name: str) -> str:
-    cfg = {"run_dir": str(tmp_path / name), "seed": 3, "model": {"tiny": TINY},
-           "data": {"train": "synthetic", "synthetic": {"max_operand": 9, "num_train": 60, "num_eval": 6},
-                    "max_prompt_tokens": 64},
-           "sft": {"steps": 0},
-           "rollout": {"prompts_per_step": 4, "n_samples": 4, "max_new_tokens": 6, "request_size": 2,
-                       "engine": {"max_total_tokens": 4096}},
-           "reward": {"name": "reward_fns:digit_fraction", "workers": 1},
-           # PPO with a critic (GAE) and KL-in-reward against the reference model: the most state a resume must
-           # restore (policy, critic, both optimizers and schedules, reference, data cursor)
-           "algorithm": {"advantage_estimator": "gae", "use_critic": True, "kl_coef": 0.05, "kl_in_reward": True},
-           "optim": {"lr": 2e-3},
-           "rl": {"steps": 4, "eval_samples": 2, "dump_rollouts": True, "critic_lr": 1e-3, "mini_batches": 2},
-           "reshard": {"bucket_mb": 1, "verify_every": 2},
-           "checkpoint": {"save_every": 1, "keep": 10, "export_hf": False},
-           "logging": {"wandb": "disabled", "progress": False}}
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return str(path)
+    # PPO with a critic (GAE) and KL-in-reward against the reference model: the most state a resume must restore
+    # (policy, critic, both optimizers and schedules, reference, data cursor)
+    return write_config(
+        tmp_path, name, seed=3, data={"synthetic": {"num_eval": 6}},
+        algorithm={"advantage_estimator": "gae", "use_critic": True, "kl_coef": 0.05, "kl_in_reward": True},
+        rl={"steps": 4, "dump_rollouts": True, "critic_lr": 1e-3, "mini_batches": 2},
+        reshard={"verify_every": 2}, checkpoint={"save_every": 1, "keep": 10})
 
 
 def _torchrun(config: str, port: int, log: str) -> subprocess.Popen:

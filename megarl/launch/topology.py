@@ -417,14 +417,7 @@ def format_topology(topo: Topology, verbose: bool = False) -> str:
             lines.append(f"    ... {len(groups) - len(shown)} more")
     lines.append("")
     lines.append("nodes")
-    skipped: list[int] = []
-    for node in topo.nodes:
-        if not verbose and not _shown(topo, node):
-            skipped.append(node.index)
-            continue
-        if skipped:
-            lines.append(f"  ... node(s) {_span(skipped)}: the same, with their own ranks")
-            skipped = []
+    for node in _listed_nodes(topo, verbose, lines, "the same, with their own ranks"):
         what = []
         if node.ranks:
             what.append(f"trainer ranks {node.ranks[0]}-{node.ranks[-1]}")
@@ -451,14 +444,7 @@ def format_topology(topo: Topology, verbose: bool = False) -> str:
     lines.append("")
     lines.append("commands per node (each a long-running process: start the SGLang servers first, in the "
                  "background or one srun step each; the trainer waits for them up to rollout.engine.startup_timeout_s)")
-    skipped = []
-    for node in topo.nodes:
-        if not verbose and not _shown(topo, node):
-            skipped.append(node.index)
-            continue
-        if skipped:
-            lines.append(f"  ... node(s) {_span(skipped)}: the same, with their own host and --node-rank")
-            skipped = []
+    for node in _listed_nodes(topo, verbose, lines, "the same, with their own host and --node-rank"):
         lines.append(f"  node {node.index} ({node.host}):")
         for c in node.commands:
             lines.append(f"    {c}")
@@ -471,6 +457,19 @@ def format_topology(topo: Topology, verbose: bool = False) -> str:
         lines.append("notes")
         lines += [f"  - {n}" for n in topo.notes]
     return "\n".join(lines)
+
+
+def _listed_nodes(topo, verbose: bool, lines: list, elided: str):
+    """The nodes to print in full; runs of nodes left out (not verbose) become one "... node(s) a-b: <elided>" line."""
+    skipped: list[int] = []
+    for node in topo.nodes:
+        if not verbose and not _shown(topo, node):
+            skipped.append(node.index)
+            continue
+        if skipped:
+            lines.append(f"  ... node(s) {_span(skipped)}: {elided}")
+            skipped = []
+        yield node
 
 
 def _shown(topo: Topology, node: Node) -> bool:
