@@ -44,6 +44,13 @@ def observation_ids(tok, observation, tools=None) -> list[int]:
     return tok.continuation_ids(messages, tools=tools)
 
 
+def check_turn(completion) -> None:
+    """The engine must give one log-prob per generated token (they are trained against, token by token)."""
+    if len(completion.output_log_probs) != len(completion.output_ids):
+        raise RuntimeError(f"engine returned {len(completion.output_ids)} tokens but "
+                           f"{len(completion.output_log_probs)} log-probs for one turn")
+
+
 def run_episodes(generate: Callable, tok, envs: list[Env], records: list, params: Callable[[int, int], dict],
                  max_turns: int, max_new_tokens: int, max_response_tokens: int, tools=None,
                  threads: ThreadPoolExecutor | None = None) -> list[Episode]:
@@ -62,9 +69,7 @@ def run_episodes(generate: Callable, tok, envs: list[Env], records: list, params
                                [dict(params(i, turn), max_new_tokens=budgets[i]) for i in live])
         texts = []
         for i, c in zip(live, completions):
-            if len(c.output_log_probs) != len(c.output_ids):
-                raise RuntimeError(f"engine returned {len(c.output_ids)} tokens but {len(c.output_log_probs)} "
-                                   "log-probs for one turn")
+            check_turn(c)
             ep = episodes[i]
             ep.add(c.output_ids, True, c.output_log_probs)
             ep.turns, ep.weight_version, ep.routed_experts = turn + 1, c.weight_version, c.routed_experts

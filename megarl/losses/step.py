@@ -61,7 +61,9 @@ def forward_only(model: list, global_batch: TokenBatch, num_microbatches: int, p
 
     def loss_func_for(batch):
         def loss_func(output):
-            return torch.zeros(()), {"values": per_token(output, batch) * batch.loss_mask}
+            values = per_token(output, batch)  # [b, s], or [b, s, n] for n values per token
+            mask = batch.loss_mask if values.dim() == 2 else batch.loss_mask.unsqueeze(-1)
+            return torch.zeros(()), {"values": values * mask}
         return loss_func
 
     outputs = run_schedule(model, global_batch.split(num_microbatches), loss_func_for, forward_only=True)
@@ -70,18 +72,29 @@ def forward_only(model: list, global_batch: TokenBatch, num_microbatches: int, p
     return torch.cat([o["values"] for o in outputs])
 
 
+def holds_results() -> bool:
+    """True on the ranks whose forward-only results count once: the last pipeline stage's TP rank 0 (the other TP
+    ranks hold copies, the other stages nothing)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+
+
 def compute_log_probs(model: list, global_batch: TokenBatch, num_microbatches: int, vocab_size: int,
                       temperature: float = 1.0, entropy: bool = False):
     """Log-probs [b, s] of the batch's targets under `model` (old or reference policy), on the last pipeline stage
-    (None elsewhere); positions outside loss_mask are 0. entropy=True: the entropy of the predicted distribution at
-    each position instead."""
+    (None elsewhere); positions outside loss_mask are 0. entropy=True: (log-probs, entropies of the predicted
+    distribution) from the same forward."""
     from megatron.core import parallel_state as ps
 
     def log_probs(logits, batch):
-        return vocab_parallel_logprob_entropy(logits, batch.targets, vocab_size=vocab_size, temperature=temperature,
-                                              group=ps.get_tensor_model_parallel_group())[int(entropy)]
+        log_prob, ent = vocab_parallel_logprob_entropy(logits, batch.targets, vocab_size=vocab_size,
+                                                       temperature=temperature,
+                                                       group=ps.get_tensor_model_parallel_group())
+        return torch.stack([log_prob, ent], dim=-1) if entropy else log_prob
 
-    return forward_only(model, global_batch, num_microbatches, log_probs)
+    out = forward_only(model, global_batch, num_microbatches, log_probs)
+    return tuple(out.unbind(-1)) if entropy and out is not None else out
 
 
 def compute_values(model: list, global_batch: TokenBatch, num_microbatches: int):

@@ -103,16 +103,21 @@ class RoutingStats:
                 out[1] += routing_map.shape[0] * router.topk
         return out
 
-    def load(self) -> dict[int, torch.Tensor]:
-        """Tokens routed to each expert, per layer, over every recorded forward."""
-        return {layer: torch.stack([m.sum(0) for m in maps]).sum(0).double() for layer, maps in self.maps.items()}
+    def load(self, num_layers: int, num_experts: int) -> torch.Tensor:
+        """[layers, experts] tokens routed to each expert over every recorded forward (rows of layers not on this
+        pipeline stage stay 0: summing over ranks fills them)."""
+        out = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        for layer, maps in self.maps.items():
+            out[layer - 1] = torch.stack([m.sum(0) for m in maps]).sum(0).double()
+        return out
 
 
-def load_balance_metrics(load: dict[int, torch.Tensor]) -> dict:
-    """From tokens per expert per layer: the max/mean expert load (1.0 = perfectly balanced) and the coefficient of
-    variation, averaged over layers."""
-    if not load:
+def load_balance_metrics(load: torch.Tensor) -> dict:
+    """From tokens per expert per layer ([layers, experts]; layers without tokens are skipped): the max/mean expert
+    load (1.0 = perfectly balanced) and the coefficient of variation, averaged over layers."""
+    rows = [t for t in load if t.sum() > 0]
+    if not rows:
         return {}
-    ratio = [float(t.max() / t.mean().clamp(min=1e-9)) for t in load.values()]
-    cv = [float(t.std(unbiased=False) / t.mean().clamp(min=1e-9)) for t in load.values()]
+    ratio = [float(t.max() / t.mean().clamp(min=1e-9)) for t in rows]
+    cv = [float(t.std(unbiased=False) / t.mean().clamp(min=1e-9)) for t in rows]
     return {"moe/expert_load_max_over_mean": sum(ratio) / len(ratio), "moe/expert_load_cv": sum(cv) / len(cv)}

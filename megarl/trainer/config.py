@@ -125,6 +125,11 @@ class RolloutConfig:
     routing_replay: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
 
+    @property
+    def engine_routing(self) -> bool:
+        """The engine returns the experts it routed each token to (for the agreement metric or for R3)."""
+        return self.return_routed_experts or self.routing_replay
+
 
 @dataclass
 class EnvConfig:

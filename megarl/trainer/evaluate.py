@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..data import load_responses
 from ..evaluation import plot_pass_at_k
 from ..losses import compute_log_probs
+from ..losses.step import holds_results
 from .batching import Sample, rank_batch
 from .rl import RLTrainer, broadcast
 from .setup import prompt_tools
@@ -34,10 +35,9 @@ def response_stats(trainer: RLTrainer, pairs: list[tuple[list[int], list[int]]])
                     seq_multiple=ps.get_tensor_model_parallel_world_size(),
                     max_tokens_per_microbatch=trainer.cfg.rl.max_tokens_per_microbatch)
     sums = torch.zeros(3, dtype=torch.float64)  # sum log-prob, sum entropy, tokens
-    per_token = [compute_log_probs(trainer.policy.model, rb.batch, rb.num_microbatches, trainer.bridge.vocab_size,
-                                   entropy=e) for e in (False, True)]
-    holder = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
-    if holder:  # the last stage holds the results; TP ranks hold copies (count them once)
+    per_token = compute_log_probs(trainer.policy.model, rb.batch, rb.num_microbatches, trainer.bridge.vocab_size,
+                                  entropy=True)
+    if holds_results():
         sums += torch.stack([per_token[0].sum(), per_token[1].sum(), rb.batch.loss_mask.sum()]).double()
     dist.all_reduce(sums)
     stats = {"responses": len(pairs), "tokens": int(sums[2]), "trainer_ppl": math.exp(-sums[0] / sums[2]),

@@ -23,6 +23,7 @@ from ..algorithms import compute_advantages, kl_estimate
 from ..config import to_dict
 from ..data import ChatTokenizer, load_prompts
 from ..losses import compute_log_probs, compute_values, prepare_global_batch, train_step
+from ..losses.step import holds_results
 from ..models.moe import RoutingStats, load_balance_metrics
 from ..reshard import TRANSPORTS, SyncConfig, WeightSync
 from ..rewards import RewardPool
@@ -104,7 +105,7 @@ class RLTrainer:
                         mem_fraction_static=e.mem_fraction_static, random_seed=cfg.seed + i, dtype=e.dtype,
                         startup_timeout_s=e.startup_timeout_s, log_dir=os.path.join(cfg.run_dir, "engine"),
                         seeded_sampling=cfg.rollout.deterministic, extra_args=list(e.extra_args) + (
-                            ["--enable-return-routed-experts"] if self._engine_routing() else []) + (
+                            ["--enable-return-routed-experts"] if cfg.rollout.engine_routing else []) + (
                             # several engines on one node: each on its own GPUs
                             ["--base-gpu-id", str(i * e.tp_size)] if platform.on_gpu() and i else [])))
                     self.servers.append(server.start())
@@ -114,7 +115,7 @@ class RLTrainer:
             [EngineClient(url) for url in urls]
         if self.rank == 0:
             self.router = EngineRouter(self.clients, cfg.rollout.engine.router_policy)
-            self.rollout = Rollout(cfg, self.tok, self.router, self.rewards, tools=prompt_tools(cfg))
+            self.rollout = Rollout(cfg, self.tok, self.router, self.rewards, tools=tools)
         transport, e = TRANSPORTS[cfg.reshard.transport], cfg.rollout.engine
         self.syncs = []
         for i, client in enumerate(self.clients):
@@ -130,9 +131,6 @@ class RLTrainer:
                                                     verify_every=cfg.reshard.verify_every,
                                                     probe_atol=cfg.reshard.probe_atol,
                                                     engine_dtype=getattr(torch, e.dtype) if e.dtype else None)))
-
-    def _engine_routing(self) -> bool:
-        return self.cfg.rollout.return_routed_experts or self.cfg.rollout.routing_replay
 
     def _resume(self) -> None:
         path = latest_checkpoint(self.ckpt_root) if self.cfg.checkpoint.resume and \
@@ -161,7 +159,7 @@ class RLTrainer:
         rb = rank_batch(samples, self.dp_rank, self.dp_size, self.tok.pad_id,
                         seq_multiple=self.ps.get_tensor_model_parallel_world_size(),
                         max_tokens_per_microbatch=cfg.rl.max_tokens_per_microbatch, row_multiple=cfg.rl.mini_batches,
-                        routing_shape=self.routing_shape if self._engine_routing() else None)
+                        routing_shape=self.routing_shape if cfg.rollout.engine_routing else None)
         batch = rb.batch
         engine_routing = batch.routed_experts  # MoE: the experts the engine used; replayed only with R3
         if not cfg.rollout.routing_replay:
@@ -173,7 +171,8 @@ class RLTrainer:
         with timer("ref"):
             batch.ref_log_probs = self._ref_log_probs(rb) if self.ref is not None else None
         with timer("old_log_prob"):
-            routing = RoutingStats(self.policy.chunks) if engine_routing is not None else None
+            routing = RoutingStats(self.policy.chunks) \
+                if engine_routing is not None and cfg.rollout.old_log_probs == "recompute" else None
             batch.old_log_probs = self._log_probs(self.policy.model, rb) \
                 if cfg.rollout.old_log_probs == "recompute" else batch.rollout_log_probs
         mismatch = self._mismatch(batch) if cfg.rollout.old_log_probs == "recompute" else {}
@@ -264,7 +263,7 @@ class RLTrainer:
     def _mismatch(self, batch) -> dict:
         """Trainer vs engine on the same tokens before any update: |old log-prob - rollout log-prob| over the global
         batch (only the last pipeline stage's TP-rank-0 ranks hold log-probs; the others add zeros)."""
-        holder = self.ps.is_pipeline_last_stage(ignore_virtual=True) and self.ps.get_tensor_model_parallel_rank() == 0
+        holder = holds_results()
         diff = (batch.old_log_probs - batch.rollout_log_probs).abs() * batch.loss_mask
         sums = torch.stack([diff.sum(), batch.loss_mask.sum()]).double() * holder
         peak = diff.max().double().reshape(1) * holder if diff.numel() else torch.zeros(1, dtype=torch.float64)
@@ -282,15 +281,11 @@ class RLTrainer:
         for row, index in enumerate(rb.sample_index):
             positions[row, :len(samples[index].prompt_ids) + len(samples[index].response_ids) - 1] = 1
         stats = torch.cat([routing.agreement(engine_routing, positions, rb.num_microbatches), routing.assignments()])
+        load = routing.load(self.bridge.config.num_layers, self.bridge.config.num_moe_experts)
         dist.all_reduce(stats)
-        loads = [None] * dist.get_world_size()
-        dist.all_gather_object(loads, routing.load())
-        merged: dict = {}
-        for part in loads:
-            for layer, tokens in part.items():
-                merged[layer] = merged.get(layer, 0) + tokens
+        dist.all_reduce(load)  # each stage fills its own layers' rows
         return {"moe/routing_agreement": float(stats[0] / stats[1].clamp(min=1)),
-                "moe/dropped_token_frac": float(1 - stats[2] / stats[3].clamp(min=1)), **load_balance_metrics(merged)}
+                "moe/dropped_token_frac": float(1 - stats[2] / stats[3].clamp(min=1)), **load_balance_metrics(load)}
 
     def _advantages(self, samples, rb: RankBatch) -> tuple[torch.Tensor, torch.Tensor]:
         cfg, batch, real = self.cfg.algorithm, rb.batch, len(rb.sample_index)

@@ -15,6 +15,7 @@ import torch
 
 from ..data import PromptRecord
 from ..envs import Episode, make_env, run_episodes
+from ..envs.episode import check_turn
 from ..evaluation import majority_at_n, normalise_answer, pass_at_k_curve
 from .batching import Sample
 
@@ -75,10 +76,9 @@ class Rollout:
         """One episode per request (record, sample index): a single engine turn, or a multi-turn env episode."""
         records = [r for _, r, _ in piece]
         env = self.cfg.env
-        routing = self.cfg.rollout.return_routed_experts or self.cfg.rollout.routing_replay
 
         def generate(prompts, params):
-            return self.router.generate(prompts, params, return_routed_experts=routing)
+            return self.router.generate(prompts, params, return_routed_experts=self.cfg.rollout.engine_routing)
 
         if env.name is None:
             params = [self.sampling_params(request_seed(*seed_parts, r.index, j), temperature, max_new_tokens)
@@ -86,9 +86,7 @@ class Rollout:
             completions = generate([r.prompt_ids for r in records], params)
             episodes = []
             for r, c in zip(records, completions):
-                if len(c.output_log_probs) != len(c.output_ids):
-                    raise RuntimeError(f"engine returned {len(c.output_ids)} tokens but {len(c.output_log_probs)} "
-                                       "log-probs for one response")
+                check_turn(c)
                 episodes.append(Episode(list(r.prompt_ids), list(c.output_ids), [1] * len(c.output_ids),
                                         list(c.output_log_probs), c.finish_reason, 1, self.tok.decode(c.output_ids),
                                         weight_version=c.weight_version, routed_experts=c.routed_experts))
