@@ -8,6 +8,6 @@ def digit_fraction(response: str, answer, **_) -> float:
 
 def needs_missing_sandbox(response, answer, **_):
     """A code-executing reward on a machine without isolation."""
-    from megarl.rewards.sandbox import SandboxUnavailable
+    from megarl.sandbox import SandboxUnavailable
 
     raise SandboxUnavailable("no namespaces here")

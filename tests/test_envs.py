@@ -153,7 +153,7 @@ def test_response_files_for_perplexity(tmp_path, tok):
 
 def test_sandbox_unavailable_stops_scoring_instead_of_scoring_zero():
     from megarl.rewards.pool import _score
-    from megarl.rewards.sandbox import SandboxUnavailable
+    from megarl.sandbox import SandboxUnavailable
 
     with pytest.raises(SandboxUnavailable):
         _score("reward_fns:needs_missing_sandbox", {}, [("x", None)])

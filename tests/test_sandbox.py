@@ -9,9 +9,10 @@ import time
 import pytest
 
 import megarl.rewards.code  # noqa: F401  registers "code" in this process
-from megarl.rewards import RewardPool, sandbox
+from megarl import sandbox
+from megarl.rewards import RewardPool
 from megarl.rewards.code import CodeRewardFailure, code_reward
-from megarl.rewards.sandbox import SandboxLimits, SandboxUnavailable, run_python
+from megarl.sandbox import SandboxLimits, SandboxUnavailable, run_python
 
 GOOD = "Sure:\n```python\ndef add(a, b):\n    return a + b\n```"
 WRONG = "```python\ndef add(a, b):\n    return a - b\n```"

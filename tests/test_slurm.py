@@ -1,4 +1,4 @@
-"""slurm/train.sbatch under a real Slurm cluster on this host (megarl.testing.slurm.LocalSlurmCluster: slurmctld and
+"""slurm/train.sbatch under a real Slurm cluster on this host (slurm_cluster.LocalSlurmCluster: slurmctld and
 two slurmd "nodes" n1, n2 on 127.0.0.1, one CPU each): a 2-node job trains a tiny RL config with the real SGLang CPU
 engine and completes; SIGUSR1 to the batch script makes the trainer checkpoint and stop, the script requeues the
 job and the second start resumes and completes; bad input (a layout that does not fit the allocation, no Slurm
@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tiny_rl import write_config
-from megarl.testing.slurm import TERMINAL, BashSlurm, LocalSlurmCluster, SlurmUnavailable
+from slurm_cluster import TERMINAL, BashSlurm, LocalSlurmCluster, SlurmUnavailable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "slurm", "train.sbatch")

@@ -64,7 +64,7 @@ class ToolEnv:
     def __init__(self, tools: list[str], tool_call_format: str = "qwen25", max_calls_per_turn: int = 4):
         self.tools = {t.name: t for t in resolve_tools(list(tools))}
         if any(t.sandboxed for t in self.tools.values()):
-            from ..rewards.sandbox import check_sandbox
+            from ..sandbox import check_sandbox
 
             check_sandbox()  # fail closed: SandboxUnavailable, never model code on the host (cached per process)
         self.parser = _parser(tuple(tools), tool_call_format)

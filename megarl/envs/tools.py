@@ -86,9 +86,9 @@ register_tool(Tool("calculator", "Evaluate an arithmetic expression (+ - * / // 
 
 # ------------------------------------------------------------------------------------------------ python
 def python(code: str) -> str:
-    """Run code in the sandbox (megarl.rewards.sandbox: own network and PID namespaces, resource limits); the
+    """Run code in the sandbox (megarl.sandbox: own network and PID namespaces, resource limits); the
     answer is its stdout, or the reason it failed."""
-    from ..rewards.sandbox import run_python
+    from ..sandbox import run_python
 
     if not isinstance(code, str):
         return "error: code must be a string"

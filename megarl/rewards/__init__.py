@@ -4,13 +4,13 @@ ranks' critical path.
 A reward function is `fn(response: str, answer: str | None, **kwargs) -> float`. Built in: `math` (math-verify:
 parses the reference and the response, LaTeX or plain, and checks mathematical equivalence), `exact_match`
 (whitespace/case-normalised string, or numeric, equality), `code` (the response's last Python block, followed by
-the test code in the answer, runs in megarl.rewards.sandbox: 1.0 when the tests pass).
+the test code in the answer, runs in megarl.sandbox: 1.0 when the tests pass).
 `reward.name: "my_pkg.rewards:score"` loads a user function by dotted path.
 """
 from . import code  # registers "code" (tests run in the sandbox)
 from .functions import REWARDS, exact_match, math_reward, register_reward, resolve_reward
 from .pool import RewardPool
-from .sandbox import SandboxLimits, SandboxResult, SandboxUnavailable, check_sandbox, run_python
+from ..sandbox import SandboxLimits, SandboxResult, SandboxUnavailable, check_sandbox, run_python
 
 __all__ = ["REWARDS", "RewardPool", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "check_sandbox",
            "exact_match", "math_reward", "register_reward", "resolve_reward", "run_python"]

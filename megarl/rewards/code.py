@@ -15,7 +15,7 @@ import re
 import secrets
 
 from .functions import register_reward
-from .sandbox import SandboxLimits, run_python
+from ..sandbox import SandboxLimits, run_python
 
 # an opening fence with an optional language tag, then everything up to the closing fence (or the end of a
 # response that was cut off mid-block)

@@ -12,7 +12,7 @@ import multiprocessing
 from concurrent.futures import Future, ProcessPoolExecutor, TimeoutError as FutureTimeout
 
 from .functions import resolve_reward
-from .sandbox import SandboxUnavailable, check_sandbox
+from ..sandbox import SandboxUnavailable, check_sandbox
 
 logger = logging.getLogger(__name__)
 

@@ -381,7 +381,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
 # ---------------------------------------------------------------------------------------- without daemons
 _SRUN_STUB = r"""#!/bin/bash
-# stub srun (megarl.testing.slurm.BashSlurm): one node, runs the command here; --output with %n/%t/%N/%j/%x.
+# stub srun (slurm_cluster.BashSlurm): one node, runs the command here; --output with %n/%t/%N/%j/%x.
 out="" ; mode=truncate
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -407,7 +407,7 @@ exec "$@"
 """
 
 _SCONTROL_STUB = r"""#!/bin/bash
-# stub scontrol (megarl.testing.slurm.BashSlurm)
+# stub scontrol (slurm_cluster.BashSlurm)
 case "$1 $2" in
   "show hostnames") echo "${3:-$SLURM_JOB_NODELIST}" | tr ',' '\n' ;;
   "show node") echo "NodeName=$3 NodeAddr=$3 State=ALLOCATED" ;;
@@ -520,7 +520,7 @@ def open_cluster(scratch: str, nodes=("n1", "n2"), cpus_per_node: int = 1):
         return BashSlurm(os.path.join(scratch, "bash-slurm")).__enter__(), str(e)
 
 
-if __name__ == "__main__":  # python -m megarl.testing.slurm SCRATCH: start a cluster, print SLURM_CONF, wait
+if __name__ == "__main__":  # python tests/slurm_cluster.py SCRATCH: start a cluster, print SLURM_CONF, wait
     with LocalSlurmCluster(sys.argv[1] if len(sys.argv) > 1 else "scratch/slurm") as c:
         print(f"export SLURM_CONF={c.conf}   # Ctrl-C stops the cluster", flush=True)
         try:
