@@ -17,6 +17,20 @@ if [ -z "${MEGARL_DEVICE:-}" ]; then
 fi
 case "$MEGARL_DEVICE" in cpu|gpu) ;; *) echo "install.sh: MEGARL_DEVICE must be cpu or gpu, got '$MEGARL_DEVICE'" >&2; exit 2;; esac
 
+# The code sandbox (megarl/sandbox) isolates with bubblewrap, from the system package manager: installed here when
+# missing and running as root (as tests/slurm_cluster.py does for Slurm). Otherwise the sandbox raises
+# SandboxUnavailable with this fix when code is to be run; nothing else needs it.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "megarl: installing bubblewrap (code sandbox)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; } \
+      || echo "megarl: warning: apt-get install -y bubblewrap failed; the code sandbox will be unavailable" >&2
+  else
+    echo "megarl: note: bubblewrap (bwrap) is not installed; the code sandbox needs it (as root: apt-get install -y bubblewrap)" >&2
+  fi
+fi
+
 STAMP_FILE="$VENV/.megarl-install-stamp"
 STAMP="$MEGARL_DEVICE $(cat launchers/install.sh requirements/*.txt setup.py | sha256sum | cut -c1-16)"
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP_FILE" 2>/dev/null)" = "$STAMP" ]; then

@@ -10,5 +10,5 @@ bash launchers/install.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
 PORT_ARGS=(--standalone)  # a free rendezvous port; MASTER_PORT=... pins one
 [ -n "${MASTER_PORT:-}" ] && PORT_ARGS=(--master_port "$MASTER_PORT")
-exec .venv/bin/torchrun --nproc_per_node "${NPROC:-1}" "${PORT_ARGS[@]}" \
+exec .venv/bin/megarl-torchrun --nproc_per_node "${NPROC:-1}" "${PORT_ARGS[@]}" \
   -m megarl.cli run "${CONFIG:-configs/quickstart.yaml}" "$@"

@@ -11,5 +11,5 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:
 .venv/bin/python -m megarl.cli convert-gguf smollm2 models/SmolLM2-135M-Instruct
 PORT_ARGS=(--standalone)  # a free rendezvous port; MASTER_PORT=... pins one
 [ -n "${MASTER_PORT:-}" ] && PORT_ARGS=(--master_port "$MASTER_PORT")
-exec .venv/bin/torchrun --nproc_per_node "${NPROC:-1}" "${PORT_ARGS[@]}" \
+exec .venv/bin/megarl-torchrun --nproc_per_node "${NPROC:-1}" "${PORT_ARGS[@]}" \
   -m megarl.cli train configs/smollm2_arith.yaml "$@"

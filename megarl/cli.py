@@ -1,24 +1,25 @@
 """The `megarl` command.
 
-    torchrun --nproc_per_node N -m megarl.cli train CONFIG [key=value ...]   # RL (GRPO/PPO family)
-    torchrun --nproc_per_node N -m megarl.cli sft CONFIG [key=value ...]     # SFT cold start
-    torchrun --nproc_per_node N -m megarl.cli run CONFIG [key=value ...]     # SFT, then RL, then the report
-    torchrun --nproc_per_node N -m megarl.cli eval CONFIG [key=value ...] [--samples 16] [--responses F.jsonl]
-    megarl report RUN_DIR                                                    # PNG curves + markdown summary
-    megarl convert-gguf smollm2 models/SmolLM2-135M-Instruct                 # GGUF -> HF folder
-    torchrun --nproc_per_node 2 -m megarl.cli smoke [--family qwen3] [--tp 2] [--pp 1] [--ep 1] [--out runs/smoke]
+    megarl-torchrun --nproc_per_node N -m megarl.cli train CONFIG [key=value ...]   # RL (GRPO/PPO family)
+    megarl-torchrun --nproc_per_node N -m megarl.cli sft CONFIG [key=value ...]     # SFT cold start
+    megarl-torchrun --nproc_per_node N -m megarl.cli run CONFIG [key=value ...]     # SFT, then RL, then the report
+    megarl-torchrun --nproc_per_node N -m megarl.cli eval CONFIG [key=value ...] [--samples 16] [--responses F]
+    megarl report RUN_DIR                                                           # PNG curves + markdown summary
+    megarl convert-gguf smollm2 models/SmolLM2-135M-Instruct                        # GGUF -> HF folder (example)
+    megarl-torchrun --nproc_per_node 2 -m megarl.cli smoke [--family qwen3] [--tp 2] [--pp 1] [--ep 1]
 
-CONFIG is a YAML preset (configs/); key=value overrides any field by its dotted name (rl.steps=20).
+CONFIG is a YAML preset (configs/); key=value overrides any field by its dotted name (rl.steps=20), before or after
+the flags. `megarl-torchrun` is torchrun with the same flags (plain `torchrun` works too; see megarl.launch.torchrun).
 
-    megarl train CONFIG [key=value ...] --dry-run [--nnodes N] [--gpus-per-node G] [--verbose]
+    megarl train CONFIG [key=value ...] --dry-run [--nnodes N] [--gpus-per-node G] [--check-engines] [--verbose]
 
-prints the topology (parallel sizes, every rank group, which nodes train and which run SGLang, each node's command)
-and exits without starting torch.distributed or reading weights (megarl.launch).
+checks everything that can be checked before any process starts (megarl.launch.preflight: run_dir, model folder,
+data files, reward, model.load, engine URLs with --check-engines), prints the topology (parallel sizes, every rank
+group, which nodes train and which run SGLang, each node's command) and exits without starting torch.distributed or
+reading weights (megarl.launch).
 
-`smoke` is the model-bridge smoke run: it writes a tiny random
-HF model (or uses --model PATH), loads it into a TP/PP/EP-sharded Megatron GPTModel, compares the logits with Hugging
-Face transformers, exports the sharded model back to an HF folder and checks that every tensor is bit-identical, and
-writes a summary JSON.
+Errors: input the user can fix (megarl.errors.UserError) ends as ONE line from rank 0, `megarl: error: ...`, naming
+the field and the fix, with exit code 2 on every rank; anything else keeps its traceback.
 """
 from __future__ import annotations
 
@@ -29,88 +30,18 @@ import os
 import sys
 import time
 
-
-def _smoke(args) -> int:
-    import torch
-    import torch.distributed as dist
-
-    from megarl import parallel
-    from megarl.models import ModelBridge, forward_logits, open_model_folder, write_tiny_model
-
-    timings = {}
-    start = time.perf_counter()
-    layout = parallel.ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep)
-    parallel.initialize(layout)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model_path = args.model or os.path.join(args.out, f"tiny-{args.family}")
-    if args.model is None and rank == 0:
-        write_tiny_model(model_path, args.family)
-    dist.barrier()
-    folder = open_model_folder(model_path)
-    parallel.initialize(layout, folder.shape())  # validates the layout against the model's shapes
-    timings["setup_s"] = time.perf_counter() - start
-
-    t = time.perf_counter()
-    bridge = ModelBridge(folder)
-    chunks = bridge.build()
-    bridge.load_hf_weights(chunks)
-    timings["build_and_load_s"] = time.perf_counter() - t
-
-    generator = torch.Generator().manual_seed(0)
-    batch = torch.randint(0, bridge.vocab_size, (2, 32), generator=generator)
-    t = time.perf_counter()
-    logits = forward_logits(chunks, [batch], vocab_size=bridge.vocab_size)
-    timings["forward_s"] = time.perf_counter() - t
-    export_dir = os.path.join(args.out, "exported-hf")
-    t = time.perf_counter()
-    bridge.save_hf(chunks, export_dir)
-    timings["export_s"] = time.perf_counter() - t
-
-    # The last pipeline stage's TP-rank-0 holds full logits; gather them to rank 0 for the report.
-    found = [logits[0] if logits is not None else None]
-    gathered = [None] * world
-    dist.all_gather_object(gathered, found[0])
-    parallel.teardown()
-    if rank != 0:
-        return 0
-
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    megatron_logits = next(x for x in gathered if x is not None)
-    hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        hf_logits = hf_model(batch).logits
-    max_diff = (megatron_logits - hf_logits).abs().max().item()
-    original = {}
-    for name in sorted(set(folder.weight_files.values())):
-        original.update(load_file(name))
-    exported = {}
-    with open(os.path.join(export_dir, "model.safetensors.index.json")) as f:
-        for file in sorted(set(json.load(f)["weight_map"].values())):
-            exported.update(load_file(os.path.join(export_dir, file)))
-    mismatched = sorted(k for k in original if k not in exported or not torch.equal(original[k].float(),
-                                                                                   exported[k].float()))
-    summary = {"model": model_path, "family": folder.model_type, "world_size": world, "layout": layout.as_dict(),
-               "logits_max_abs_diff_vs_transformers": max_diff, "hf_tensors": len(original),
-               "roundtrip_mismatched_tensors": mismatched, "exported_to": export_dir,
-               "timings_s": {k: round(v, 3) for k, v in timings.items()}}
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    ok = max_diff < 1e-4 and not mismatched
-    print(f"\nmegarl smoke run: {folder.model_type} on {world} ranks, layout {layout.as_dict()}")
-    print(f"  logits vs transformers  max|diff| = {max_diff:.2e}  ({'OK' if max_diff < 1e-4 else 'FAIL'}, < 1e-4)")
-    print(f"  HF -> Megatron -> HF    {len(original) - len(mismatched)}/{len(original)} tensors bit-identical "
-          f"({'OK' if not mismatched else 'FAIL'})")
-    print(f"  timings                 {summary['timings_s']}")
-    print(f"  summary                 {os.path.join(args.out, 'summary.json')}")
-    return 0 if ok else 1
+COMMANDS_WITH_CONFIG = ("train", "sft", "run", "eval")
 
 
 def _load(args):
+    """The validated config, after the pre-flight checks (every rank runs them; the engine URLs are asked by rank 0
+    alone), so bad input fails here, in seconds, on every rank at once."""
+    from megarl.launch.preflight import preflight
     from megarl.trainer import load_train_config
 
-    return load_train_config(args.config, args.overrides)
+    cfg = load_train_config(args.config, args.overrides)
+    preflight(cfg, args.command, engines=_rank() == 0, world_size=int(os.environ.get("WORLD_SIZE", "1") or 1))
+    return cfg
 
 
 def _train(args) -> int:
@@ -188,7 +119,7 @@ def _eval(args) -> int:
 
 
 def _convert_gguf(args) -> int:
-    from megarl.models.gguf import convert_gguf, smollm2_gguf
+    from megarl.examples.gguf import convert_gguf, smollm2_gguf
 
     if os.path.isfile(os.path.join(args.out, "config.json")):
         print(f"{args.out} exists; nothing to do")
@@ -216,22 +147,50 @@ def _log_to_stderr() -> None:
         logger.setLevel(logging.INFO)
 
 
-def main(argv=None) -> int:
-    _log_to_stderr()
-    parser = argparse.ArgumentParser(prog="megarl")
+def _rank() -> int:
+    """This process's global rank: torch.distributed's once it runs, else the launcher's RANK (0 outside one)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def _peer_failure(error: BaseException) -> bool:
+    """A collective that broke because another rank stopped (that rank reports the cause)."""
+    text = str(error)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                   "failed to recv", "Socket closed"))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megarl", description="RL post-training on Megatron-Core with SGLang "
+                                     "rollouts. Run the training commands under torchrun (or megarl-torchrun).")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("train", "RL training (under torchrun)"), ("sft", "SFT cold start (under torchrun)"),
                             ("run", "SFT, then RL, then the report (under torchrun)")):
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("config", help="YAML preset, e.g. configs/quickstart.yaml")
-        p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rl.steps=20")
-        p.add_argument("--dry-run", action="store_true", help="print the topology (rank groups, trainer and engine "
-                       "placement, each node's command) and exit; starts nothing")
+        p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rl.steps=20 (before or after "
+                       "the flags)")
+        p.add_argument("--dry-run", action="store_true", help="check the config, model folder, data, run_dir, "
+                       "reward and model.load, print the topology (rank groups, trainer and engine placement, each "
+                       "node's command) and exit; starts nothing")
+        p.add_argument("--check-engines", action="store_true", help="--dry-run: also ask every rollout.engine.urls "
+                       "server whether it answers")
         p.add_argument("--nnodes", type=int, default=None, help="--dry-run: nodes (default: torchrun/Slurm env, or 1)")
-        p.add_argument("--gpus-per-node", type=int, default=None, help="--dry-run: GPUs per node (default: env, or 8)")
+        p.add_argument("--gpus-per-node", type=int, default=None, help="--dry-run: GPUs (CPU processes on a machine "
+                       "without GPU) per node (default: torchrun/Slurm env, else this machine: its GPUs, or 1 CPU "
+                       "process)")
         p.add_argument("--verbose", action="store_true", help="--dry-run: list every group, engine and node")
-    evaluate = sub.add_parser("eval", help="pass@k / maj@n on held-out prompts, PPL and entropy of given responses "
-                              "(under torchrun)")
+    eval_help = ("held-out evaluation of CONFIG's model (its latest checkpoint, model.load, or model.path) under "
+                 "torchrun: samples --samples responses per held-out prompt from SGLang and reports pass@k for k = 1, "
+                 "2, 4, ... up to n (unbiased estimator, with the curve in <out>/pass_at_k.png/json), mean@n, maj@n "
+                 "(majority vote over normalised answers) and the tool-call rate; with --responses F.jsonl (records "
+                 "with a prompt and a 'response'), also the perplexity and mean token entropy of those responses "
+                 "under the trainer (Megatron) and the perplexity under the engine")
+    evaluate = sub.add_parser("eval", help="pass@k curve, maj@n, PPL/entropy (under torchrun)",
+                              description=eval_help)
     evaluate.add_argument("config")
     evaluate.add_argument("overrides", nargs="*")
     evaluate.add_argument("--samples", type=int, default=None, help="samples per prompt (default rl.eval_samples)")
@@ -249,23 +208,61 @@ def main(argv=None) -> int:
     smoke.add_argument("--pp", type=int, default=1)
     smoke.add_argument("--ep", type=int, default=1)
     smoke.add_argument("--out", default="runs/smoke")
-    args = parser.parse_args(argv)
-    if args.command == "smoke":
-        os.makedirs(args.out, exist_ok=True)
-        return _smoke(args)
-    from megarl.config import ConfigError
+    return parser
+
+
+def _dry_run(args) -> int:
+    from megarl.launch import dry_run
+
+    print(dry_run(args.command, args.config, args.overrides, args.nnodes, args.gpus_per_node, args.verbose,
+                  check_engines=args.check_engines))
+    return 0
+
+
+def _smoke(args) -> int:
+    from megarl.examples.smoke import smoke
+
+    os.makedirs(args.out, exist_ok=True)
+    return smoke(args)
+
+
+def main(argv=None) -> int:
+    _log_to_stderr()
+    from megarl import platform  # noqa: F401  (its warning filters, before megatron-core is imported)
+
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # overrides may come before or after the flags (megarl train CFG --dry-run rl.steps=3): argparse leaves the
+    # later ones over
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    from megarl.errors import USER_ERROR_EXIT_CODE, RemoteUserError, UserError
 
     try:
         if getattr(args, "dry_run", False):
-            from megarl.launch import dry_run
-
-            print(dry_run(args.command, args.config, args.overrides, args.nnodes, args.gpus_per_node, args.verbose))
-            return 0
+            return _dry_run(args)
         return {"train": _train, "sft": _sft, "run": _run, "report": _report, "eval": _eval,
-                "convert-gguf": _convert_gguf}[args.command](args)
-    except ConfigError as e:
-        print(f"megarl: config error: {e}", file=sys.stderr)
-        return 2
+                "convert-gguf": _convert_gguf, "smoke": _smoke}[args.command](args)
+    except UserError as e:
+        # Rank 0 says it. Before torch.distributed starts every rank checks the same input and fails the same way;
+        # after, errors one rank sees reach the others as RemoteUserError (megarl.errors.on_rank0), which stay quiet.
+        # An error only another rank saw (e.g. the owner of a weight bucket) is said by that rank, naming itself.
+        import torch.distributed as dist
+
+        rank = _rank()
+        if rank == 0:
+            print(f"megarl: error: {e}", file=sys.stderr, flush=True)
+        elif dist.is_available() and dist.is_initialized() and not isinstance(e, RemoteUserError):
+            print(f"megarl: error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE
+    except Exception as e:
+        if _rank() != 0 and _peer_failure(e):  # the rank that failed first prints the cause
+            print(f"[megarl rank {_rank()}] stopped: another rank failed ({type(e).__name__})", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ from typing import Any
 
 import yaml
 
+from .errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A configuration value that cannot be used; the message names the field and the fix."""
 
 

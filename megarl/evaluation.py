@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from typing import Sequence
 
-_NUMBER = re.compile(r"^[-+]?\d+(\.\d+)?$")
+from .rewards.functions import normalise_answer  # noqa: F401  (one normaliser: rewards and voting)
 
 
 def _check_int(name: str, value: int) -> None:
@@ -71,32 +70,6 @@ def mean_at_n(correct: Sequence[Sequence[bool]]) -> float:
     if total == 0:
         raise ValueError("mean_at_n needs at least one sample")
     return sum(1 for samples in correct for ok in samples if ok) / total
-
-
-def normalise_answer(text: str | None) -> str | None:
-    """Canonical form of a final answer for voting, or None when there is none.
-
-    Strips surrounding whitespace and trailing periods, collapses inner whitespace, lowercases; a plain decimal
-    number is written by value ("042" -> "42", "4.0" -> "4", "-0.50" -> "-0.5", "+3" -> "3"). Empty -> None.
-    """
-    if text is None:
-        return None
-    s = " ".join(text.strip().rstrip(".").split()).lower()
-    if not s:
-        return None
-    if _NUMBER.match(s):
-        s = _canonical_number(s)
-    return s
-
-
-def _canonical_number(s: str) -> str:
-    """A decimal literal written by value, exactly (no float rounding): "-007.50" -> "-7.5", "-0.0" -> "0"."""
-    sign = "-" if s[0] == "-" else ""
-    whole, _, frac = s.lstrip("+-").partition(".")
-    whole, frac = whole.lstrip("0") or "0", frac.rstrip("0")
-    if whole == "0" and not frac:
-        return "0"
-    return sign + whole + ("." + frac if frac else "")
 
 
 def majority_answer(answers: Sequence[str | None]) -> str | None:

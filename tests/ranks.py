@@ -16,8 +16,11 @@ def input_batches(n: int = 2, batch: int = 2, seq: int = SEQ, vocab: int = 384, 
 
 
 def build(path: str, tp=1, pp=1, vpp=None, ep=1, etp=None, load=True, **config_overrides):
+    """ParallelConfig's pipeline split fields (num_layers_in_first_pipeline_stage, ...) in config_overrides go to the
+    layout; the rest to the model's TransformerConfig."""
+    split = {k: config_overrides.pop(k) for k in parallel.config.SPLIT_FIELDS if k in config_overrides}
     folder = open_model_folder(path)
-    ps = parallel.initialize(parallel.ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp), folder.shape())
+    ps = parallel.initialize(parallel.ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, **split), folder.shape())
     bridge = ModelBridge(folder, config_overrides=config_overrides)
     chunks = bridge.build()
     if load:
@@ -167,12 +170,12 @@ def trainer_log_probs(bridge, chunks, sequences):
     return next(x for x in everyone if x is not None)
 
 
-def sync_and_compare(path, url, layout, transport, seed, corrupt=None):
+def sync_and_compare(path, url, layout, transport, seed, corrupt=None, engine_tp=1):
     """Perturb the trainer, sync into the engine, and return the engine's and trainer's log-probs of the engine's own
     sampled tokens, plus the engine's probe log-probs before and after the sync."""
     import torch.distributed as dist
 
-    from megarl.reshard import TRANSPORTS, SyncConfig, WeightSync
+    from megarl.reshard import TRANSPORTS, SyncConfig, TransportOptions, WeightSync
     from megarl.rollout import EngineClient
 
     ps, bridge, chunks = build(path, **layout)
@@ -180,7 +183,7 @@ def sync_and_compare(path, url, layout, transport, seed, corrupt=None):
     client = EngineClient(url)
     fixed = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27]]
     before = client.prompt_log_probs(fixed) if dist.get_rank() == 0 else None
-    transport = TRANSPORTS[transport](client, f"{path}-disk-sync") if transport == "disk" else TRANSPORTS[transport](client)
+    transport = TRANSPORTS[transport](client, TransportOptions(engine_tp=engine_tp, folder=f"{path}-disk-sync"))
     if corrupt is not None:
         transport = corrupt(transport)
     sync = WeightSync(bridge, chunks, transport, client if dist.get_rank() == 0 else None,

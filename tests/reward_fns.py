@@ -11,3 +11,14 @@ def needs_missing_sandbox(response, answer, **_):
     from megarl.sandbox import SandboxUnavailable
 
     raise SandboxUnavailable("no namespaces here")
+
+
+def hangs_on_hang(response: str, answer, **_) -> float:
+    """Hangs (signals blocked, in a sleep) when the response says "hang"; 1.0 otherwise."""
+    if response == "hang":
+        import signal
+        import time
+
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM, signal.SIGALRM])
+        time.sleep(10_000)
+    return 1.0

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import ranks
+from megarl.reshard import send_buckets
 from megarl.rollout import EngineClient, EngineError, ServerConfig, SGLangServer
 from megarl.testing import RankFailure, run_ranks, tiny_model_dir
 from megarl.testing.engines import tiny_engine
@@ -42,6 +43,9 @@ class _ZeroSliceOf:
 
     def __getattr__(self, attr):
         return getattr(self.inner, attr)
+
+    def send(self, source, version):
+        return send_buckets(self, source, version)  # the buckets go through this wrapper's push
 
     def push(self, bucket, version):
         if self.name in bucket.names:

@@ -23,3 +23,21 @@ def test_moe_sync_makes_engine_match_trainer(engine, layout, world, transport):
     assert (engine_lp - trainer_lp).abs().max() < 1e-3
     assert (torch.tensor(r["before"]) - torch.tensor(r["after"])).abs().max() > 1e-2
     assert r["stats"]["verified_tensors"] > 20 and r["stats"]["probe_max_abs_diff"] < 1e-3
+
+
+def _corrupt_one_expert(transport):
+    from test_engine_sync import _ZeroSliceOf
+
+    return _ZeroSliceOf(transport, "model.layers.2.mlp.experts.3.up_proj.weight")  # expert 3 lives on EP rank 1
+
+
+def test_corrupted_expert_slice_is_detected_and_named(engine):
+    from megarl.testing import RankFailure
+
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(2, ranks.sync_and_compare, tiny_model_dir("qwen3_moe"), engine.url, {"ep": 2}, "tensor", 17,
+                  _corrupt_one_expert)
+    message = str(failure.value)
+    assert "WeightMismatchError" in message
+    assert "engine tensor model.layers.2.mlp.experts.w13_weight differs" in message  # the fused tensor it went into
+    assert "model.layers.2.mlp.experts.{0..3}.up_proj.weight" in message

@@ -16,8 +16,9 @@ MOE = ModelShape(num_layers=4, num_attention_heads=4, num_key_value_heads=2, ffn
     (ParallelConfig(tp=4), 4, ModelShape(4, 8, 2, 128), "num_key_value_heads=2 is not divisible by parallel.tp=4"),
     (ParallelConfig(ep=3), 3, MOE, "num_experts=4 is not divisible by parallel.ep=3"),
     (ParallelConfig(ep=2), 2, DENSE, "parallel.ep=2 but the model has no experts"),
-    (ParallelConfig(pp=3), 3, DENSE, "num_hidden_layers=4 is not divisible by pp*vpp = 3*1"),
-    (ParallelConfig(pp=2, vpp=4), 2, DENSE, "num_hidden_layers=4 is not divisible by pp*vpp = 2*4"),
+    (ParallelConfig(pp=3, num_layers_in_first_pipeline_stage=3), 3, DENSE,
+     "parallel.num_layers_in_first_pipeline_stage=3 cannot place num_hidden_layers=4 on pp=3"),
+    (ParallelConfig(pp=2, vpp=4), 2, DENSE, "num_hidden_layers=4 cannot be split over parallel.pp=2 x parallel.vpp=4"),
     (ParallelConfig(vpp=2), 1, None, "parallel.vpp=2 needs parallel.pp > 1"),
     (ParallelConfig(tp=0), 1, None, "parallel.tp must be a positive integer"),
     (ParallelConfig(tp="2"), 2, None, "parallel.tp must be a positive integer"),
@@ -118,3 +119,20 @@ def test_initialize_rejects_bad_world_size_on_every_rank():
     with pytest.raises(RankFailure) as failure:
         run_ranks(2, _bad_world)
     assert str(failure.value).count("world size 2 is not divisible by tp*pp*cp") == 2
+
+
+def _initialize_twice():
+    from megatron.core import parallel_state
+
+    parallel.initialize(ParallelConfig(tp=2))
+    first = parallel_state.get_tensor_model_parallel_group()
+    parallel.initialize(ParallelConfig(tp=2))  # `megarl run`: SFT, then RL, same layout
+    kept = parallel_state.get_tensor_model_parallel_group() is first
+    parallel.initialize(ParallelConfig(pp=2))  # another layout: rebuilt
+    rebuilt = parallel_state.get_pipeline_model_parallel_world_size() == 2
+    parallel.teardown()
+    return kept, rebuilt
+
+
+def test_groups_are_built_once_per_layout():
+    assert run_ranks(2, _initialize_twice) == [(True, True), (True, True)]

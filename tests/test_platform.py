@@ -90,3 +90,19 @@ def test_harness_times_out_with_the_hung_stack():
     assert time.monotonic() - start < 30
     message = str(failure.value)
     assert "rank 0 did not finish within 2s" in message and "_hang_on_rank_zero" in message
+
+
+def test_version_pin_is_enforced_only_where_the_cpu_shims_apply(monkeypatch):
+    from megarl import platform
+
+    def mismatch():
+        raise platform.VersionMismatchError("megatron-core 0.20.0 is installed")
+
+    monkeypatch.setattr(platform, "check_versions", mismatch)
+    monkeypatch.setattr(platform, "_done", False)
+    monkeypatch.setattr(platform, "on_gpu", lambda: True)
+    platform.setup()  # GPU: no shim, no pin
+    monkeypatch.setattr(platform, "_done", False)
+    monkeypatch.setattr(platform, "on_gpu", lambda: False)
+    with pytest.raises(platform.VersionMismatchError):
+        platform.setup()  # CPU: the shims patch exactly the pinned release

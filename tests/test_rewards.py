@@ -42,3 +42,32 @@ def test_dotted_path_and_errors_score_zero():
         assert pool.take_errors() == 2 and pool.take_errors() == 0
     finally:
         pool.close()
+
+
+def test_hung_reward_is_killed_and_the_worker_keeps_scoring():
+    import time
+
+    pool = RewardPool("reward_fns:hangs_on_hang", workers=1, timeout_s=1.0)
+    try:
+        start = time.monotonic()
+        assert pool.score([("ok", None), ("hang", None), ("ok", None)]) == [1.0, 0.0, 1.0]
+        assert time.monotonic() - start < 10  # the hang was cut at ~1 s, not waited out
+        assert pool.errors and "timed out (> 1 s per response)" in pool.errors[0]
+        assert pool.take_errors() == 1
+        assert pool.score([("ok", None)]) == [1.0]  # the worker is still healthy
+    finally:
+        pool.close()
+
+
+def test_code_block_extraction_is_linear_and_takes_the_last_python_block():
+    import time
+
+    from megarl.rewards.code import extract_code
+
+    assert extract_code("a\n```python\nx = 1\n```\ntext\n```js\ny\n```\n```\nz = 2\n```") == "z = 2\n"
+    assert extract_code("```py\ncut off") == "cut off"
+    assert extract_code("no block") == "no block"
+    start = time.monotonic()
+    for hostile in ("```" * 200_000, "```python " + "a" * 1_000_000, ("```\n" + "x" * 1000) * 500):
+        extract_code(hostile)
+    assert time.monotonic() - start < 2

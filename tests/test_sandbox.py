@@ -1,43 +1,55 @@
-"""The code sandbox and the "code" reward: hostile programs score 0 with the right reason within their limits, leave
-nothing behind, and a correct solution still scores 1 afterwards."""
+"""The code sandbox, the "code" reward and the python tool against adversarial programs, through the public entry
+points (run_python, code_reward, the python tool, ToolEnv.step): each attack gets the secure outcome, within its
+limits, leaves nothing behind, and a correct solution still scores 1 afterwards."""
+import ctypes
+import json
 import logging
 import os
 import socket
+import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 import megarl.rewards.code  # noqa: F401  registers "code" in this process
 from megarl import sandbox
+from megarl.envs import make_env
+from megarl.envs.tools import python as python_tool
 from megarl.rewards import RewardPool
 from megarl.rewards.code import CodeRewardFailure, code_reward
-from megarl.sandbox import SandboxLimits, SandboxUnavailable, run_python
+from megarl.sandbox import SandboxLimits, SandboxUnavailable, isolation, run_python
 
 GOOD = "Sure:\n```python\ndef add(a, b):\n    return a + b\n```"
 WRONG = "```python\ndef add(a, b):\n    return a - b\n```"
 TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0"
 SLACK_S = 5  # start-up, kill and clean-up on a loaded 2-core machine
+ROOT = os.geteuid() == 0
 
 
 def _solution(code: str) -> str:
     return f"```python\n{code}\n```"
 
 
-def _foreign_pid_namespace_processes() -> set[int]:
-    """Processes in a pid namespace other than ours: where any sandbox leftover would be."""
-    ours, found = os.readlink("/proc/self/ns/pid"), set()
+def _good_still_scores() -> None:
+    assert code_reward(GOOD, TESTS) == 1.0
+
+
+def _sandbox_processes() -> set[int]:
+    """Live processes running as a sandbox uid (as root, every execution has one from this range): leftovers. Zombies
+    do not count: bwrap's init may be reaped by the host's init a moment after the execution ended."""
+    found = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if os.readlink(f"/proc/{pid}/ns/pid") != ours:
-                found.add(int(pid))
+            uid = os.stat(f"/proc/{pid}").st_uid
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
-            continue  # exited, or a zombie without namespaces
+            continue
+        if isolation.UID_BASE <= uid < isolation.UID_BASE + isolation.UID_SLOTS and state not in "ZX":
+            found.add(int(pid))
     return found
-
-
-def _sandbox_dirs() -> set[str]:
-    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("megarl-sandbox-")}
 
 
 def _assert_fails(code: str, reason: str, bound_s: float, **limits) -> float:
@@ -47,8 +59,90 @@ def _assert_fails(code: str, reason: str, bound_s: float, **limits) -> float:
         code_reward(_solution(code), TESTS, **limits)
     elapsed = time.monotonic() - start
     assert elapsed < bound_s, f"took {elapsed:.1f} s, limit {bound_s} s"
-    assert code_reward(GOOD, TESTS) == 1.0
+    _good_still_scores()
     return elapsed
+
+
+@pytest.fixture
+def host_dir():
+    """A world-readable, world-writable directory on the host with canary files (0644 and 0600): what a sandbox
+    running with the host's filesystem and permissions could read, change or delete."""
+    path = tempfile.mkdtemp(prefix="megarl-canary-")
+    os.chmod(path, 0o777)
+    for name, mode in (("public", 0o644), ("secret", 0o600), ("victim", 0o666)):
+        with open(os.path.join(path, name), "w") as f:
+            f.write(f"canary-{name}")
+        os.chmod(os.path.join(path, name), mode)
+    yield path
+    subprocess.run(["rm", "-rf", path], check=True)
+
+
+# ------------------------------------------------------------------------------------------------ filesystem
+
+
+def test_host_files_are_invisible_read_only_or_absent(host_dir):
+    project = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "README.md"))
+    code = f"""
+import os
+for path in [{host_dir + '/public'!r}, {host_dir + '/secret'!r}, {project!r}, '/etc/passwd', '/root/.bashrc']:
+    try:
+        print('LEAK-READ', path, open(path).read()[:20])
+    except OSError as e:
+        print('no', path, e.strerror)
+for path in [{host_dir + '/new'!r}, '/usr/evil', '/python/evil', '/evil', '/dev/evil']:
+    try:
+        open(path, 'w').write('x'); print('LEAK-WROTE', path)
+    except OSError as e:
+        print('no', path, e.strerror)
+for path in [{host_dir + '/victim'!r}]:
+    try:
+        os.remove(path); print('LEAK-DELETED', path)
+    except OSError as e:
+        print('no', path, e.strerror)
+print(sorted(os.listdir('/')))
+"""
+    for out in (run_python(code).stdout, python_tool(code)):
+        assert "LEAK" not in out and out.count("\nno ") == 10, out
+        assert set(eval(out.splitlines()[-1])) <= {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "python",
+                                                   "proc", "dev", "tmp", "work"}, out
+    assert sorted(os.listdir(host_dir)) == ["public", "secret", "victim"]
+    assert open(os.path.join(host_dir, "victim")).read() == "canary-victim"
+    _assert_fails(f"def add(a, b):\n    return int(open({host_dir + '/public'!r}).read() and 3)",
+                  "FileNotFoundError", SLACK_S)
+
+
+def test_tmp_shm_and_workdir_are_private_and_do_not_persist():
+    host_tmp, host_shm = set(os.listdir(tempfile.gettempdir())), set(os.listdir("/dev/shm"))
+    leave = ("import os\nfor d in ['/tmp', '/dev/shm', '/work']:\n"
+             "    open(d + '/left-behind', 'w').write('x')\n"
+             "    os.symlink('/proc/self/environ', d + '/link')\n"
+             "print(os.getcwd(), sorted(os.listdir('/tmp')))")
+    first = run_python(leave)
+    assert first.ok and first.stdout.split()[0] == "/work", first
+    look = "import os\nprint([sorted(os.listdir(d)) for d in ['/tmp', '/dev/shm', '/work']])"
+    second = run_python(look)
+    assert second.ok and second.stdout.strip() == "[[], [], ['main.py']]", second
+    assert set(os.listdir(tempfile.gettempdir())) - host_tmp <= {"megarl-sandbox-uids", "megarl-sandbox-python"}
+    assert set(os.listdir("/dev/shm")) == host_shm
+
+
+def test_deep_directory_tree_and_disk_filling():
+    deep = ("import os\nfor d in ['/work', '/tmp']:\n    os.chdir(d)\n    for i in range(3000):\n"
+            "        os.mkdir('d')\n        os.chdir('d')\nprint('deep')")
+    result = run_python(deep)
+    assert result.ok and result.stdout.strip() == "deep", result
+    # many small files: RLIMIT_FSIZE (per file) does not stop this, the tmpfs size does
+    fill = ("for i in range(1000):\n    open(f'/work/f{i}', 'wb').write(b'x' * 2**20)")
+    result = run_python(fill, limits=SandboxLimits(disk_mb=8))
+    assert not result.ok and result.reason.startswith("disk limit (8 MB)"), result
+    env = make_env("tool", tools=["python"])
+    env.reset({})
+    step = env.step("<tool_call>\n" + json.dumps({"name": "python", "arguments": {"code": deep}}) + "\n</tool_call>")
+    assert step.observation[0]["content"].strip() == "deep"
+    _good_still_scores()
+
+
+# -------------------------------------------------------------------------------------------- IPC and network
 
 
 @pytest.fixture
@@ -72,22 +166,120 @@ def test_network_is_unreachable(listener):
             "        print(address, 'CONNECTED')\n"
             "import sys; sys.exit(0)" % listener)
     result = run_python(code)
+    # the sandbox's own loopback is up but empty: the trainer's port is not there
     assert result.ok and "CONNECTED" not in result.stdout
-    assert result.stdout.count("Network is unreachable") == 2, result.stdout
+    assert "Network is unreachable" in result.stdout and "Connection refused" in result.stdout, result.stdout
     _assert_fails(f"import socket\nsocket.create_connection(('127.0.0.1', {listener}), timeout=2)",
-                  "Network is unreachable", SLACK_S)
+                  "Connection refused", SLACK_S)
 
 
-def test_fork_bomb_is_contained_and_killed():
-    before = _foreign_pid_namespace_processes()
-    _assert_fails("import os\nwhile True:\n    os.fork()", r"process limit \(32\)", 10 + SLACK_S)
-    assert _foreign_pid_namespace_processes() - before == set()
-    if os.geteuid() == 0:
-        assert sandbox._tasks_of(sandbox.SANDBOX_UID) == 0
+def test_host_unix_sockets_are_unreachable(host_dir):
+    path, abstract = os.path.join(host_dir, "sock"), f"\0megarl-test-{os.getpid()}"
+    servers = []
+    for address in (path, abstract):
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(address)
+        server.listen()
+        servers.append(server)
+    os.chmod(path, 0o777)
+    try:
+        code = (f"import socket\nfor a in [{path!r}, {abstract!r}]:\n    s = socket.socket(socket.AF_UNIX)\n"
+                "    try:\n        s.connect(a); print('CONNECTED')\n    except OSError as e:\n"
+                "        print('no', e.strerror)")
+        result = run_python(code)
+        assert result.ok and "CONNECTED" not in result.stdout and result.stdout.count("no ") == 2, result
+    finally:
+        for server in servers:
+            server.close()
 
 
-def test_memory_limit():
+_IPC_CREAT, _IPC_RMID = 0o1000, 0
+
+
+def _shm_ids() -> set[str]:
+    with open("/proc/sysvipc/shm") as f:
+        return {line.split()[1] for line in f.readlines()[1:]}
+
+
+def test_host_sysv_shared_memory_is_invisible_and_nothing_outlives_the_run():
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = 0x6D6567 + os.getpid()
+    shmid = libc.shmget(key, 4096, _IPC_CREAT | 0o666)
+    assert shmid >= 0, os.strerror(ctypes.get_errno())
+    try:
+        before = _shm_ids()
+        code = (f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                f"print('host segment', libc.shmget({key}, 0, 0), ctypes.get_errno())\n"
+                f"print('own segment', libc.shmget(1234, 4096, {_IPC_CREAT | 0o666}) >= 0)\n"
+                "print(open('/proc/sysvipc/shm').read().count(chr(10)))")
+        result = run_python(code)
+        assert result.ok, result
+        host, own, listed = result.stdout.splitlines()
+        assert host == "host segment -1 2" and own == "own segment True" and listed == "2"  # ENOENT; header + own
+        assert _shm_ids() == before  # the run's own segment died with its IPC namespace
+    finally:
+        libc.shmctl(shmid, _IPC_RMID, None)
+
+
+def test_no_new_user_namespaces():
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print(libc.unshare(0x10000000), os.strerror(ctypes.get_errno()))\n"
+            "import subprocess\nprint(subprocess.run(['unshare', '--user', '--map-root-user', 'id'], "
+            "capture_output=True, text=True).returncode)")
+    result = run_python(code)
+    assert result.ok, result
+    syscall, tool = result.stdout.splitlines()
+    assert syscall.startswith("-1 ") and tool != "0", result.stdout
+
+
+# ------------------------------------------------------------------------------------------------ limits
+
+
+def test_fork_bomb_next_to_a_concurrent_correct_solution():
+    bomb = _solution("import os\nwhile True:\n    os.fork()")
+    with ThreadPoolExecutor(2) as pool:
+        bombed = pool.submit(code_reward, bomb, TESTS)
+        time.sleep(0.2)  # the bomb is running
+        goods = [pool.submit(code_reward, GOOD, TESTS) for _ in range(3)]
+        assert [g.result() for g in goods] == [1.0, 1.0, 1.0]
+        with pytest.raises(CodeRewardFailure, match=r"process limit \(32\)"):
+            bombed.result()
+    if ROOT:
+        assert _sandbox_processes() == set()
+
+
+def test_memory_limit_single_allocation():
     _assert_fails("b = bytearray(10 * 1024**3)", r"memory limit \(1024 MB\)", 10 + SLACK_S)
+
+
+def _cgroup_writable() -> bool:
+    return (os.path.exists("/sys/fs/cgroup/cgroup.controllers") and os.access("/sys/fs/cgroup", os.W_OK)) or \
+        os.access("/sys/fs/cgroup/memory", os.W_OK)
+
+
+@pytest.mark.skipif(not _cgroup_writable(), reason="no writable cgroup here: memory is bounded per process only "
+                                                   "(the documented fallback)")
+def test_memory_limit_is_per_execution_across_processes():
+    assert sandbox.describe()["cgroup"] in ("v1", "v2")
+    # four processes of 150 MB each: each is under the 400 MB budget, together they are not
+    code = ("import os, time\nfor i in range(4):\n    if os.fork() == 0:\n        b = bytearray(150 * 2**20)\n"
+            "        for j in range(0, len(b), 4096):\n            b[j] = 1\n        time.sleep(1)\n        os._exit(0)\n"
+            "for i in range(4):\n    os.wait()\nprint('all done')")
+    result = run_python(code, limits=SandboxLimits(memory_mb=400, wall_s=20))
+    assert not result.ok and result.reason.startswith("memory limit (400 MB in total)"), result
+    _assert_fails("import os\nfor i in range(4):\n    if os.fork() == 0:\n        b = bytearray(150 * 2**20)\n"
+                  "        b[::4096] = b'x' * len(b[::4096])\n        import time; time.sleep(1)\n        os._exit(0)\n"
+                  "for i in range(4):\n    os.wait()\ndef add(a, b):\n    return a + b", "memory limit",
+                  20 + SLACK_S, memory_mb=400, wall_s=20)
+
+
+@pytest.mark.skipif(not _cgroup_writable(), reason="no writable cgroup here: CPU time is limited per process only "
+                                                   "(the documented fallback)")
+def test_cpu_time_is_limited_per_execution_across_processes():
+    code = "import os\nos.fork()\nos.fork()\nwhile True:\n    pass"  # four spinning processes
+    result = run_python(code, limits=SandboxLimits(cpu_s=1, wall_s=20))
+    assert not result.ok and result.reason == "cpu limit (1 s in total)", result
+    assert result.wall_s < 1 + SLACK_S
 
 
 def test_file_size_limit():
@@ -97,27 +289,23 @@ def test_file_size_limit():
 
 def test_infinite_loop_hits_cpu_limit():
     # wall well above cpu: with the 2 cores shared, 2 s of CPU can take more than 4 s of wall clock
-    elapsed = _assert_fails("while True:\n    pass", r"cpu limit \(2 s\)", 10 + SLACK_S, cpu_s=2, wall_s=10)
+    elapsed = _assert_fails("while True:\n    pass", r"cpu limit \(2 s", 10 + SLACK_S, cpu_s=2, wall_s=10)
     assert elapsed >= 1.5  # it ran until the limit, not into some earlier failure
 
 
-def test_sleep_hits_wall_limit_and_workdir_is_removed():
-    result = run_python("import os, time\nprint(os.getcwd(), flush=True)\ntime.sleep(1000)",
-                        limits=SandboxLimits(wall_s=2))
+def test_sleep_hits_wall_limit():
+    result = run_python("import time\nprint('sleeping', flush=True)\ntime.sleep(1000)", limits=SandboxLimits(wall_s=2))
     assert not result.ok and result.exit_code is None and result.reason == "time limit (wall 2 s)"
-    assert 2 <= result.wall_s < 2 + SLACK_S
-    workdir = result.stdout.strip()
-    assert workdir.startswith("/") and not os.path.exists(workdir) and not os.path.exists(os.path.dirname(workdir))
-    _assert_fails("import time\ntime.sleep(1000)", r"time limit \(wall 2 s\)", 2 + SLACK_S, wall_s=2)
+    assert result.stdout == "sleeping\n" and 2 <= result.wall_s < 2 + SLACK_S
 
 
-def test_workdir_is_fresh_and_removed():
-    result = run_python("import os\nprint(os.getcwd())\nprint(sorted(os.listdir('.')))",
-                        files={"helper.py": "X = 1"})
-    assert result.ok, result.reason
-    workdir, listing = result.stdout.splitlines()
-    assert listing == "['helper.py', 'main.py']"
-    assert not os.path.exists(workdir) and not os.path.exists(os.path.dirname(workdir))
+def test_signals_to_the_supervisor_are_ignored():
+    code = ("import os, signal, time\nfor pid in (1, os.getppid()):\n"
+            "    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL):\n"
+            "        os.kill(pid, sig)\ntime.sleep(0.3)\nprint('still here', os.getpid(), os.getppid())")
+    result = run_python(code)
+    assert result.ok and result.stdout.strip() == "still here 2 1", result
+    _good_still_scores()
 
 
 def test_trainer_environment_is_invisible(monkeypatch):
@@ -128,40 +316,132 @@ def test_trainer_environment_is_invisible(monkeypatch):
     assert result.ok, result.reason
     names, leaked, trainer_visible = result.stdout.splitlines()
     assert "MEGARL_TEST_SECRET" not in names and leaked == "False" and trainer_visible == "False"
-    assert set(eval(names)) <= {"PATH", "LANG", "HOME", "TMPDIR", "LD_LIBRARY_PATH"}
+    assert set(eval(names)) <= {"PATH", "LANG", "HOME", "TMPDIR", "LD_LIBRARY_PATH", "PWD"}
 
 
-FAKE_EPERM = "#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n"
+def test_concurrent_executions_do_not_see_each_other():
+    code = ("import os, time\nme = open('/work/me.txt').read()\nopen('/tmp/' + me, 'w').write(me)\n"
+            "time.sleep(0.3)\nprint(me, os.getuid(), sorted(os.listdir('/tmp')), len(os.listdir('/proc')))")
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda i: run_python(code, files={"me.txt": f"run{i}"}), range(6)))
+    uids = set()
+    for i, result in enumerate(results):
+        assert result.ok, result
+        me, uid, tmp, _ = result.stdout.split(" ", 3)
+        assert me == f"run{i}" and tmp == f"['run{i}']", result.stdout
+        uids.add(uid)
+    if ROOT:
+        assert len(uids) == 6  # one uid per concurrent execution
+
+
+# ------------------------------------------------------------------------------------------- forging the reward
+
+FORGERS = {
+    "always-equal object": "class Any:\n    def __eq__(self, other):\n        return True\n"
+                           "    __ne__ = lambda self, other: False\ndef add(a, b):\n    return Any()",
+    "int subclass equal to all": "class I(int):\n    def __eq__(self, other):\n        return True\n"
+                                 "def add(a, b):\n    return I(0)",
+    "exit 0 early": "import os\nos._exit(0)",
+    "sys.exit(0) early": "import sys\nsys.exit(0)",
+    "exit 0 at exit": "import atexit, os\natexit.register(lambda: os._exit(0))\ndef add(a, b):\n    return 0",
+    # whatever the judged process can read: its files, every frame's code constants and globals; it returns any
+    # big number found there, which would be the expected value had the tests been inside
+    "expected value from source and code objects": (
+        "import os, sys, re\nfound = set()\nfor root, _, names in os.walk('/work'):\n    for n in names:\n"
+        "        found |= set(re.findall(r'\\d{6,}', open(os.path.join(root, n)).read()))\n"
+        "f = sys._getframe()\nwhile f:\n    found |= {str(c) for c in f.f_code.co_consts if isinstance(c, int)}\n"
+        "    found |= {str(v) for v in f.f_globals.values() if isinstance(v, int)}\n    f = f.f_back\n"
+        "big = sorted((int(x) for x in found if len(x) >= 6), reverse=True)\n"
+        "def add(a, b):\n    return big[0] if big else 0"),
+    "forged results line": ("import json, sys\nsys.__stdout__.write(json.dumps({'results': [{'v': 3}, {'v': 0}]}) + "
+                            "'\\n')\nsys.__stdout__.flush()\nimport os\nos._exit(0)"),
+}
+
+
+@pytest.mark.parametrize("name", list(FORGERS))
+def test_code_reward_cannot_be_forged(name):
+    tests = "assert add(1, 2) == 3000000\nassert add(5, 5) == 10"  # the first expected value is big and unusual
+    with pytest.raises(CodeRewardFailure):
+        code_reward(_solution(FORGERS[name]), tests)
+    assert code_reward(_solution("def add(a, b):\n    return 3000000 if (a, b) == (1, 2) else a + b"), tests) == 1.0
+
+
+def test_code_reward_test_styles():
+    # assert-based (== literal, truthiness, not, isclose, setup statements)
+    tests = ("import math\nassert add(1, 2) == 3\nassert add(1, 1)\nassert not add(0, 0)\n"
+             "assert math.isclose(add(0.1, 0.2), 0.3)\nassert (1, 2) == pair()")
+    solution = "def add(a, b):\n    return a + b\ndef pair():\n    return (1, 2)"
+    assert code_reward(_solution(solution), tests) == 1.0
+    with pytest.raises(CodeRewardFailure, match=r"test 5 of 5 .*got \[1, 2\], expected == \(1, 2\)"):
+        code_reward(_solution(solution.replace("(1, 2)", "[1, 2]")), tests)
+    with pytest.raises(ValueError, match=r"test line 1 `assert add\(1, 2\) > 2` cannot be judged outside"):
+        code_reward(_solution(solution), "assert add(1, 2) > 2")
+    # stdin/stdout cases
+    stdio = json.dumps({"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7"]})
+    summer = "import sys\nprint(sum(map(int, sys.stdin.read().split())))"
+    assert code_reward(_solution(summer), stdio) == 1.0
+    with pytest.raises(CodeRewardFailure, match="case 1 of 2: wrong output"):
+        code_reward(_solution(summer + "\nprint('extra')"), stdio)
+    with pytest.raises(CodeRewardFailure, match="case 1 of 2: exit code 3"):
+        code_reward(_solution(summer + "\nraise SystemExit(3)"), stdio)
+    # function-call cases (tuples compare as JSON lists)
+    calls = {"fn_name": "f", "inputs": [[1, 2], [3, 4]], "outputs": [[3, [1, 2]], [7, [3, 4]]]}
+    assert code_reward(_solution("def f(a, b):\n    return [a + b, (a, b)]"), calls) == 1.0
+    with pytest.raises(CodeRewardFailure, match=r"case 2 of 2: f returned \[7, \(4, 3\)\], expected \[7, \[3, 4\]\]"):
+        code_reward(_solution("def f(a, b):\n    return [a + b, (b, a) if a > 1 else (a, b)]"), calls)
+
+
+# ------------------------------------------------------------------------------------------------ fail closed
+
+FAKE_EPERM = "#!/bin/sh\necho 'bwrap: setting up uid map: Operation not permitted' >&2\nexit 1\n"
 # a wrapper that drops its options and runs the command in the trainer's namespaces, i.e. no isolation at all
-FAKE_NOOP = '#!/bin/sh\nwhile [ "$1" != "--" ]; do shift; done\nshift\nexec "$@"\n'
+FAKE_NOOP = '#!/bin/sh\nwhile [ "$1" != "--" ]; do shift; done\nshift 2\nexec python3 "$@"\n'
 
 
 @pytest.mark.parametrize("fake, message", [(FAKE_EPERM, "Operation not permitted"),
-                                           (FAKE_NOOP, "no new network namespace")], ids=["eperm", "no-isolation"])
-def test_fails_closed_when_isolation_fails(tmp_path, monkeypatch, fake, message):
-    unshare = tmp_path / "unshare"
-    unshare.write_text(fake)
-    unshare.chmod(0o755)
-    target = tmp_path / "out"
-    target.mkdir()
-    target.chmod(0o777)  # writable by the sandbox uid: only the missing isolation may stop the write
-    marker = target / "marker"
-    monkeypatch.setattr(sandbox, "UNSHARE", str(unshare))
-    before = _sandbox_dirs()
+                                           (FAKE_NOOP, "no new net namespace"), (None, "bubblewrap .* is not "
+                                                                                       "installed")],
+                         ids=["eperm", "no-isolation", "missing"])
+def test_fails_closed_when_isolation_fails(host_dir, monkeypatch, fake, message):
+    bwrap = os.path.join(host_dir, "bwrap")  # reachable by the sandbox uid, as a real bwrap is
+    if fake is not None:
+        with open(bwrap, "w") as f:
+            f.write(fake)
+        os.chmod(bwrap, 0o755)
+    marker = os.path.join(host_dir, "marker")  # writable by the sandbox uid: only missing isolation may stop it
+    monkeypatch.setattr(isolation, "BWRAP", bwrap)
+    code = f"open({str(marker)!r}, 'w').write('ran')"
     with pytest.raises(SandboxUnavailable, match=message) as raised:
-        run_python(f"open({str(marker)!r}, 'w').write('ran')")
-    assert "unprivileged_userns_clone" in str(raised.value)
-    assert not marker.exists()
+        run_python(code)
+    assert "apt-get install -y bubblewrap" in str(raised.value)
     with pytest.raises(SandboxUnavailable, match=message):
-        code_reward(_solution(f"open({str(marker)!r}, 'w').write('ran')"), TESTS)
+        code_reward(_solution(code), TESTS)
     with pytest.raises(SandboxUnavailable, match=message):
         sandbox.check_sandbox()
-    assert not marker.exists()
-    assert _sandbox_dirs() == before
+    with pytest.raises(SandboxUnavailable, match=message):
+        make_env("tool", tools=["python"])
+    assert not os.path.exists(marker)
 
 
-def test_early_exit_does_not_pass():
-    _assert_fails("import os\nos._exit(0)", "before the tests finished", SLACK_S)
+def test_tool_env_turns_tool_failures_into_observations(monkeypatch):
+    env = make_env("tool", tools=["python"])
+    env.reset({})
+    call = "<tool_call>\n" + json.dumps({"name": "python", "arguments": {"code": "print(1)"}}) + "\n</tool_call>"
+
+    def broken(**_):
+        raise RuntimeError("the tool broke")
+
+    monkeypatch.setattr(env.tools["python"], "fn", broken)
+    step = env.step(call)
+    assert not step.done and step.info == {"tool_calls": 1, "tool_errors": 1}
+    assert step.observation[0]["content"] == "error: RuntimeError: the tool broke"
+
+    def unavailable(**_):
+        raise SandboxUnavailable("no isolation here")
+
+    monkeypatch.setattr(env.tools["python"], "fn", unavailable)
+    with pytest.raises(SandboxUnavailable):
+        env.step(call)
 
 
 def test_reward_pool_scores_and_logs_failures(caplog):
@@ -178,5 +458,6 @@ def test_reward_pool_scores_and_logs_failures(caplog):
     finally:
         pool.close()
     logged = caplog.text
-    for reason in ["CodeRewardFailure: exit code 1: AssertionError", "Network is unreachable", "cpu limit (2 s)"]:
+    for reason in ["CodeRewardFailure: test 1 of 2 (line 1) `add(1, 2)`: got -1, expected == 3",
+                   "Network is unreachable", "cpu limit (2 s"]:
         assert reason in logged, logged

@@ -10,6 +10,7 @@ reason. MEGARL_TEST_SLURM=bash forces that mode.
 """
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -246,26 +247,38 @@ def test_layout_that_does_not_fit_the_allocation_fails_fast(cluster, tmp_path):
 
 
 def test_unreachable_master_fails_in_bounded_time(cluster, tmp_path):
+    """The rendezvous port on the first node is taken (by a plain listening socket here, on loopback: the test sends
+    nothing off this machine): node 0 refuses to start, node 1 gives up within MASTER_WAIT_S (the socket accepts TCP
+    but is no torchrun store), the job fails with the cause in the logs."""
     name = "megarl-c2"
     config, run_dir = _config(tmp_path, "nomaster", steps=2)
-    start = time.monotonic()
-    job = _submit(cluster, tmp_path, name, [config], env={"MEGARL_MASTER_ADDR": "10.255.255.1", "MASTER_WAIT_S": "20"})
-    info = _wait(cluster, tmp_path, run_dir, name, job, {"FAILED"}, timeout=90)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        job = _submit(cluster, tmp_path, name, [config], env={"MEGARL_MASTER_ADDR": "127.0.0.1",
+                                                              "MEGARL_MASTER_PORT": str(port), "MASTER_WAIT_S": "20"})
+        info = _wait(cluster, tmp_path, run_dir, name, job, {"FAILED"}, timeout=90)
     assert time.monotonic() - start < 90
     assert info["ExitCode"] != "0:0", info
     logs = _node_logs(run_dir, name, job)
-    assert "MASTER_ADDR=10.255.255.1 is not an address of" in logs[0], logs[0][-2000:]
-    assert "MASTER_ADDR=10.255.255.1" in _batch_log(tmp_path, name, job)  # the tail of the failing node's log
+    assert f"MASTER_PORT={port} is in use on" in logs[0], logs[0][-2000:]
+    assert f"MASTER_PORT={port}" in _batch_log(tmp_path, name, job)  # the tail of the failing node's log
     _no_leftovers(run_dir)
 
 
 def test_unreachable_master_seen_from_another_node(tmp_path):
-    """The waiting side alone (node 1 of 2, bash with faked variables): bounded by MASTER_WAIT_S, clear message."""
+    """The waiting side alone (node 1 of 2, bash with faked variables): bounded by MASTER_WAIT_S, clear message. The
+    master is a loopback port nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     script = subprocess.run(["bash", "-c", 'source <(sed -n "/^read -r -d .. CHECK_MASTER_PY/,/^EOF$/p" "$0"); '
-                             'MASTER_WAIT_S=3 "$1" -c "$CHECK_MASTER_PY" connect 10.255.255.1 29999', SCRIPT,
+                             f'MASTER_WAIT_S=3 "$1" -c "$CHECK_MASTER_PY" connect 127.0.0.1 {port}', SCRIPT,
                              sys.executable], capture_output=True, text=True, timeout=60)
     assert script.returncode == 1, script
-    assert "cannot reach the master MASTER_ADDR=10.255.255.1 port 29999" in script.stderr, script.stderr
+    assert f"cannot reach the master MASTER_ADDR=127.0.0.1 port {port}" in script.stderr, script.stderr
 
 
 def test_outside_slurm_fails_with_a_clear_message(tmp_path):

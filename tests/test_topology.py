@@ -117,7 +117,7 @@ def test_8gpu_colocated_plan_and_output():
     assert topo.engines[0].gpus == tuple(range(8))
     (node,) = topo.nodes
     assert node.role == "trainer + engines" and node.ranks == tuple(range(8))
-    assert node.commands == ("torchrun --nnodes 1 --nproc-per-node 8 --node-rank 0 --rdzv-backend c10d "
+    assert node.commands == ("megarl-torchrun --nnodes 1 --nproc-per-node 8 --node-rank 0 --rdzv-backend c10d "
                              "--rdzv-endpoint node0:29500 -m megarl.cli train configs/qwen3_30b_a3b.yaml",)
     text = format_topology(topo)
     assert "tp=4 pp=1 vpp=- cp=1 ep=8 etp=1 | dp=2 expert-dp=1" in text
@@ -137,7 +137,7 @@ def test_disaggregated_engines_on_last_nodes_with_urls():
     assert all(c.startswith("python -m sglang.launch_server --model-path models/Qwen3-30B-A3B --host 0.0.0.0")
                for c in engines.commands)
     (torchrun,) = trainer.commands
-    assert torchrun.startswith("torchrun --nnodes 1 --nproc-per-node 8 --node-rank 0 --rdzv-backend c10d "
+    assert torchrun.startswith("megarl-torchrun --nnodes 1 --nproc-per-node 8 --node-rank 0 --rdzv-backend c10d "
                                "--rdzv-endpoint node0:29500 -m megarl.cli train")
     # the urls override the trainer gets parses back to exactly these urls
     override = next(a for a in shlex.split(torchrun) if a.startswith("rollout.engine.urls="))
@@ -164,7 +164,7 @@ def test_multinode_colocated_ranks_and_hosts():
     assert topo.host_of(0) == (0, 0) and topo.host_of(127) == (15, 7) and topo.host_of(9) == (1, 1)
     assert len(topo.engines) == 16 and topo.engines_started_by == "nodes"
     assert [n.commands[-1].split()[:7] for n in topo.nodes[:2]] == [
-        ["torchrun", "--nnodes", "16", "--nproc-per-node", "8", "--node-rank", str(i)] for i in range(2)]
+        ["megarl-torchrun", "--nnodes", "16", "--nproc-per-node", "8", "--node-rank", str(i)] for i in range(2)]
     compact, verbose = format_topology(topo), format_topology(topo, verbose=True)
     assert "... 14 more" in compact and "node(s) 2-14: the same" in compact
     assert len(verbose.splitlines()) > len(compact.splitlines()) + 100
@@ -190,7 +190,7 @@ def test_cli_dry_run_prints_commands_without_distributed(monkeypatch, capsys):
     code = cli.main(["train", "configs/qwen3_30b_a3b.yaml", "--dry-run", "--nnodes", "1", "--gpus-per-node", "8"])
     out = capsys.readouterr().out
     assert code == 0 and not dist.is_initialized()
-    assert "torchrun --nnodes 1 --nproc-per-node 8 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint node0:29500 " \
+    assert "megarl-torchrun --nnodes 1 --nproc-per-node 8 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint node0:29500 " \
            "-m megarl.cli train configs/qwen3_30b_a3b.yaml" in out
     assert "python -m sglang.launch_server --model-path models/Qwen3-30B-A3B" in out
 
@@ -214,9 +214,9 @@ def test_cli_dry_run_in_a_fresh_process():
     (["configs/qwen3_30b_a3b.yaml", "parallel.tp=3"], r"world size 8 is not divisible by tp\*pp\*cp.*parallel.tp"),
     # etp*ep*pp does not divide the world
     (["configs/qwen3_30b_a3b.yaml", "parallel.ep=16"], r"etp\*ep\*pp = 1\*16\*1.*parallel.ep"),
-    # the model shape (from the preset's model.shape hint): 61 layers over pp 2, 100 experts over ep 8
-    (["configs/deepseek_v3.yaml", "parallel.pp=2", "parallel.ep=64", "--nnodes", "16"],
-     r"num_hidden_layers=61 is not divisible by pp\*vpp"),
+    # the model shape (from the preset's model.shape hint): 61 layers over pp 2 x vpp 2, 100 experts over ep 8
+    (["configs/deepseek_v3.yaml", "parallel.pp=2", "parallel.vpp=2", "parallel.ep=64", "--nnodes", "16"],
+     r"num_hidden_layers=61 cannot be split over parallel.pp=2 x parallel.vpp=2.*Fix: unset parallel.vpp"),
     (["configs/qwen3_30b_a3b.yaml", "parallel.ep=8", "parallel.tp=1", "model.shape.num_experts=100"],
      r"num_experts=100 is not divisible by parallel.ep=8"),
     # disaggregated needs a trainer node
@@ -268,3 +268,16 @@ def test_quickstart_tiny_model_plans():
     """A tiny-model preset plans from its tiny settings (nothing is written)."""
     text = dry_run("run", "configs/quickstart.yaml", [], nnodes=1, gpus_per_node=1, environ={})
     assert "4 layers, 4 heads / 2 KV heads" in text and "shape from model.tiny (qwen2)" in text
+
+
+def test_dry_run_of_a_cpu_config_on_a_cpu_machine_plans_the_cpu_run(monkeypatch):
+    """No --nnodes/--gpus-per-node and no launcher variables on a machine without GPU: the plan is the CPU run the
+    command would do (one process, SGLang's CPU engine started by rank 0), not an 8-GPU node; with the flags, the
+    GPU plan as before."""
+    import megarl.launch as launch
+
+    monkeypatch.setattr(launch, "_local_gpus", lambda: 0)
+    text = launch.dry_run("run", "configs/quickstart.yaml", [], environ={})
+    assert "1 node(s) x 1 CPU process(es)" in text and "--device cpu" in text and "GPUs " not in text
+    planned = launch.dry_run("run", "configs/quickstart.yaml", [], nnodes=1, gpus_per_node=8, environ={})
+    assert "1 node(s) x 8 GPUs" in planned and "--device cpu" not in planned

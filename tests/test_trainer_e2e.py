@@ -28,7 +28,9 @@ def _sft_copy_task(tmp):
             c = rng.choice(letters)
             f.write(json.dumps({"messages": [{"role": "user", "content": c},
                                              {"role": "assistant", "content": c}]}) + "\n")
-    cfg = load_train_config(None, [f"run_dir={tmp}/run", f"model.tiny={json.dumps(TINY)}", f"sft.data={data}",
+    # the shapes this convergence threshold was set with (tiny_rl's TINY has since become deliberately odd)
+    tiny = dict(TINY, overrides=dict(TINY["overrides"], intermediate_size=128, num_key_value_heads=2, vocab_size=384))
+    cfg = load_train_config(None, [f"run_dir={tmp}/run", f"model.tiny={json.dumps(tiny)}", f"sft.data={data}",
                                    "sft.steps=60", "sft.batch_size=32", "sft.lr=3e-3", "sft.warmup_steps=5",
                                    "logging.wandb=disabled", "logging.progress=false"])
     return run_sft(cfg)

@@ -18,6 +18,9 @@ import torch.distributed as dist
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
 register_advantage = registrar(ADVANTAGE_ESTIMATORS)
+# Estimators whose baseline comes from the other samples of the same prompt: with one sample per prompt every
+# advantage is 0 (or, for rloo, undefined). TrainConfig.validate checks rollout.n_samples against this.
+NEEDS_GROUPS = {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo"}
 
 
 def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor):
@@ -113,7 +116,7 @@ def rloo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, *
     """RLOO: r_i - mean of the other samples of the same prompt."""
     mean, _, counts = _group_stats(scores, group_ids)
     if bool((counts < 2).any()):
-        raise ValueError("rloo needs at least 2 samples per prompt (rollout.n_samples_per_prompt >= 2)")
+        raise ValueError("rloo needs at least 2 samples per prompt (rollout.n_samples >= 2)")
     adv = (scores - mean) * counts / (counts - 1)
     return _broadcast(adv, mask), _broadcast(scores, mask)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..errors import UserError
 from .advantages import ADVANTAGE_ESTIMATORS
 from .aggregation import AGGREGATIONS
 from .kl import KL_ESTIMATORS
@@ -11,7 +12,7 @@ from .mismatch import MISMATCH_MODES
 from .policy_losses import POLICY_LOSSES
 
 
-class AlgorithmConfigError(ValueError):
+class AlgorithmConfigError(UserError, ValueError):
     """An algorithm setting that cannot work; the message names the field and the fix."""
 
 

@@ -9,11 +9,12 @@ import json
 import os
 from dataclasses import dataclass
 
+from ..errors import UserError
 from .chat import ChatTokenizer, SFTSample
 from .synthetic import noisy_answers, synthetic_splits, tool_use_demonstrations
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset record that cannot be used; the message names the file and line/row."""
 
 
@@ -25,8 +26,9 @@ class PromptRecord:
     text: str  # the rendered prompt, for logs
 
 
-def read_records(path: str) -> list[tuple[str, dict]]:
-    """[(where, record)] from a .jsonl/.json lines or .parquet file; `where` is "file:line N" or "file:row N"."""
+def read_records(path: str, limit: int | None = None) -> list[tuple[str, dict]]:
+    """[(where, record)] from a .jsonl/.json lines or .parquet file; `where` is "file:line N" or "file:row N".
+    limit: only the first records (a pre-flight check)."""
     if not os.path.isfile(path):
         raise DataError(f"dataset file {path!r} does not exist")
     if path.endswith(".parquet"):
@@ -36,7 +38,7 @@ def read_records(path: str) -> list[tuple[str, dict]]:
             rows = pq.read_table(path).to_pylist()
         except Exception as e:  # pyarrow raises several types for a corrupt file
             raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
-        return [(f"{path}:row {i}", r) for i, r in enumerate(rows)]
+        return [(f"{path}:row {i}", r) for i, r in enumerate(rows[:limit])]
     out = []
     with open(path) as f:
         for number, line in enumerate(f, start=1):
@@ -49,6 +51,8 @@ def read_records(path: str) -> list[tuple[str, dict]]:
             if not isinstance(record, dict):
                 raise DataError(f"{path}:line {number}: expected a JSON object, got {type(record).__name__}")
             out.append((f"{path}:line {number}", record))
+            if limit is not None and len(out) >= limit:
+                break
     if not out:
         raise DataError(f"dataset file {path!r} holds no records")
     return out
@@ -91,18 +95,29 @@ def load_prompts(spec: str, tokenizer: ChatTokenizer, cfg, split: str = "train",
         records = [(f"synthetic:{split}[{i}]", r) for i, r in enumerate(train if split == "train" else held_out)]
     else:
         records = read_records(spec)
-    out = []
-    for where, record in records:
-        messages = _messages(where, record, cfg)
-        answer = record.get(cfg.answer_key)
-        if answer is not None and not isinstance(answer, (str, int, float)):
-            raise DataError(f"{where}: field {cfg.answer_key!r} must be a string or number, got {answer!r}")
-        ids = tokenizer.prompt_ids(messages, tools=tools)
-        if len(ids) > cfg.max_prompt_tokens:
-            raise DataError(f"{where}: the prompt is {len(ids)} tokens, above data.max_prompt_tokens="
-                            f"{cfg.max_prompt_tokens}. Fix: shorten it, drop it, or raise the limit")
-        out.append(PromptRecord(len(out), ids, None if answer is None else str(answer), messages[-1]["content"]))
-    return out
+    return [_prompt_record(i, where, record, tokenizer, cfg, tools) for i, (where, record) in enumerate(records)]
+
+
+def _prompt_record(index: int, where: str, record: dict, tokenizer: ChatTokenizer | None, cfg, tools=None):
+    messages = _messages(where, record, cfg)
+    answer = record.get(cfg.answer_key)
+    if answer is not None and not isinstance(answer, (str, int, float)):
+        raise DataError(f"{where}: field {cfg.answer_key!r} must be a string or number, got {answer!r}")
+    if tokenizer is None:  # a pre-flight check before the model's tokenizer exists
+        return None
+    ids = tokenizer.prompt_ids(messages, tools=tools)
+    if len(ids) > cfg.max_prompt_tokens:
+        raise DataError(f"{where}: the prompt is {len(ids)} tokens, above data.max_prompt_tokens="
+                        f"{cfg.max_prompt_tokens}. Fix: shorten it, drop it, or raise the limit")
+    return PromptRecord(index, ids, None if answer is None else str(answer), messages[-1]["content"])
+
+
+def check_prompt_records(path: str, cfg, tokenizer: ChatTokenizer | None, first: int) -> int:
+    """Pre-flight: the first `first` prompt records of a file are usable; returns how many were checked."""
+    records = read_records(path, limit=first)
+    for i, (where, record) in enumerate(records):
+        _prompt_record(i, where, record, tokenizer, cfg)
+    return len(records)
 
 
 def load_sft_samples(spec: str, tokenizer: ChatTokenizer, cfg, tools=None) -> list[SFTSample]:
@@ -117,22 +132,33 @@ def load_sft_samples(spec: str, tokenizer: ChatTokenizer, cfg, tools=None) -> li
                    enumerate(tool_use_demonstrations(problems, cfg.synthetic.sft_tool_share, cfg.synthetic.seed + 3))]
     else:
         records = read_records(spec)
-    out = []
+    return [_sft_sample(where, record, tokenizer, cfg, tools) for where, record in records]
+
+
+def _sft_sample(where: str, record: dict, tokenizer: ChatTokenizer | None, cfg, tools=None):
+    messages = record.get(cfg.messages_key)
+    if messages is None:
+        raise DataError(f"{where}: no {cfg.messages_key!r} field (SFT samples are chat messages); keys are "
+                        f"{sorted(record)}")
+    _check_messages(where, messages, cfg.messages_key)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: no assistant message, so nothing would be trained")
+    if tokenizer is None:  # a pre-flight check before the model's tokenizer exists
+        return None
+    if cfg.system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": cfg.system_prompt}] + list(messages)
+    sample = tokenizer.sft_sample(messages, tools=record.get("tools", tools))
+    if not any(sample.loss_mask[1:]):
+        raise DataError(f"{where}: the assistant turns produced no trainable tokens")
+    return sample
+
+
+def check_sft_records(path: str, cfg, tokenizer: ChatTokenizer | None, first: int) -> int:
+    """Pre-flight: the first `first` SFT records of a file are usable; returns how many were checked."""
+    records = read_records(path, limit=first)
     for where, record in records:
-        messages = record.get(cfg.messages_key)
-        if messages is None:
-            raise DataError(f"{where}: no {cfg.messages_key!r} field (SFT samples are chat messages); keys are "
-                            f"{sorted(record)}")
-        _check_messages(where, messages, cfg.messages_key)
-        if not any(m["role"] == "assistant" for m in messages):
-            raise DataError(f"{where}: no assistant message, so nothing would be trained")
-        if cfg.system_prompt and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": cfg.system_prompt}] + list(messages)
-        sample = tokenizer.sft_sample(messages, tools=record.get("tools", tools))
-        if not any(sample.loss_mask[1:]):
-            raise DataError(f"{where}: the assistant turns produced no trainable tokens")
-        out.append(sample)
-    return out
+        _sft_sample(where, record, tokenizer, cfg)
+    return len(records)
 
 
 def load_responses(spec: str, tokenizer: ChatTokenizer, cfg, tools=None) -> list[tuple[list[int], list[int]]]:

@@ -11,6 +11,7 @@ import json
 import logging
 from dataclasses import dataclass
 
+from ..sandbox import SandboxUnavailable, check_sandbox
 from .base import EnvStep, register_env
 from .tools import Tool, resolve_tools
 
@@ -64,8 +65,6 @@ class ToolEnv:
     def __init__(self, tools: list[str], tool_call_format: str = "qwen25", max_calls_per_turn: int = 4):
         self.tools = {t.name: t for t in resolve_tools(list(tools))}
         if any(t.sandboxed for t in self.tools.values()):
-            from ..sandbox import check_sandbox
-
             check_sandbox()  # fail closed: SandboxUnavailable, never model code on the host (cached per process)
         self.parser = _parser(tuple(tools), tool_call_format)
         self.max_calls_per_turn = max_calls_per_turn
@@ -91,5 +90,9 @@ class ToolEnv:
         tool = self.tools[call.name]  # the parser keeps only calls of known tools
         try:
             return str(tool.fn(**call.arguments))
+        except SandboxUnavailable:
+            raise  # no isolation: stop, never run model code unisolated
         except TypeError as e:  # wrong or missing arguments
             return f"error: {e}"
+        except Exception as e:  # any other tool failure is the model's observation; the episode goes on
+            return f"error: {type(e).__name__}: {e}"

@@ -86,8 +86,8 @@ register_tool(Tool("calculator", "Evaluate an arithmetic expression (+ - * / // 
 
 # ------------------------------------------------------------------------------------------------ python
 def python(code: str) -> str:
-    """Run code in the sandbox (megarl.sandbox: own network and PID namespaces, resource limits); the
-    answer is its stdout, or the reason it failed."""
+    """Run code in the sandbox (megarl.sandbox: bubblewrap, a minimal root with no host paths, own namespaces,
+    per-execution limits); the answer is its stdout, or the reason it failed."""
     from ..sandbox import run_python
 
     if not isinstance(code, str):

@@ -13,24 +13,41 @@ from .topology import (ENGINE_PORT, GROUP_KINDS, RDZV_PORT, Engine, GroupKind, N
 
 
 def dry_run(command: str, config: str, overrides: list[str], nnodes: int | None = None,
-            gpus_per_node: int | None = None, verbose: bool = False, environ=None) -> str:
-    """Load and validate the config, plan it and return the report. Raises ConfigError (TopologyError) with the
-    field and the fix. Never initialises torch.distributed and never reads weights."""
+            gpus_per_node: int | None = None, verbose: bool = False, environ=None, check_engines: bool = False) -> str:
+    """Load and validate the config, run the pre-flight checks (megarl.launch.preflight), plan it and return the
+    report. Raises a UserError (ConfigError, TopologyError, ...) with the field and the fix. Never initialises
+    torch.distributed and never reads weights."""
     from ..trainer.config import load_train_config
+    from .preflight import preflight
 
     env = os.environ if environ is None else environ
     cfg = load_train_config(config, overrides)
-    env_nodes, env_gpus, source = launch_defaults(env)
-    if nnodes is not None or gpus_per_node is not None:
+    checked = preflight(cfg, command, engines=check_engines, planning=True)
+    # Without --nnodes/--gpus-per-node or a launcher's variables, the plan is for this machine: its GPUs, or, on a
+    # machine without one, the CPU run it would do (one process unless torchrun says more).
+    explicit = nnodes is not None or gpus_per_node is not None
+    local_gpus = None if explicit else _local_gpus()  # planning for other machines: their defaults, not this one
+    env_nodes, env_gpus, source = launch_defaults(env, local_gpus)
+    if explicit:
         source = "--nnodes/--gpus-per-node" if nnodes is not None and gpus_per_node is not None else \
             f"--nnodes/--gpus-per-node, the rest from {source}"
     nnodes = env_nodes if nnodes is None else nnodes
     gpus_per_node = env_gpus if gpus_per_node is None else gpus_per_node
+    device = "CPU" if local_gpus == 0 and not explicit else "GPU"
     port = env.get("MASTER_PORT")
     topo = plan(cfg, nnodes, gpus_per_node, config_path=config, overrides=tuple(overrides), command=command,
                 hosts=launch_hosts(nnodes, env), rdzv_port=int(port) if port and port.isdigit() else RDZV_PORT,
-                launch_source=source)
-    return format_topology(topo, verbose)
+                launch_source=source, device=device)
+    if not check_engines and cfg.rollout.engine.urls and command != "sft":
+        checked.append("rollout.engine.urls: not contacted (add --check-engines)")
+    return format_topology(topo, verbose) + "\nchecked   " + "\n          ".join(checked)
+
+
+def _local_gpus() -> int:
+    """GPUs this process can see (no CUDA context is created)."""
+    import torch
+
+    return torch.cuda.device_count()
 
 
 __all__ = ["ENGINE_PORT", "GROUP_KINDS", "RDZV_PORT", "Engine", "GroupKind", "Node", "Topology", "TopologyError",

@@ -26,6 +26,7 @@ from typing import Mapping, Optional
 
 from ..config import ConfigError
 from ..parallel import ORDER, ModelShape, ParallelConfig, ParallelConfigError
+from ..parallel.env import expand_hostlist
 
 DEFAULT_GPUS_PER_NODE = 8
 RDZV_PORT = 29500  # torchrun's c10d rendezvous port on the first trainer node (MASTER_PORT overrides it)
@@ -108,6 +109,11 @@ class Topology:
     nodes: tuple[Node, ...]
     launch_source: str = "--nnodes/--gpus-per-node"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    device: str = "GPU"  # what a trainer rank runs on: "GPU", or "CPU" (one process per rank, engines on the cores)
+    # [pp rank][virtual stage] -> the global decoder layers that chunk holds (megatron-core's placement); None without
+    # a model shape. pipeline_split: the TransformerConfig split fields the run sets ({}: even split).
+    stage_layers: Optional[list] = None
+    pipeline_split: dict = field(default_factory=dict)
 
     def host_of(self, rank: int) -> tuple[int, int]:
         """(node index, local GPU) of a trainer rank."""
@@ -189,9 +195,12 @@ def _shape_from_hf(raw: dict, source: str) -> ModelShape:
 # ------------------------------------------------------------------------------------------------ the plan
 def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", overrides: tuple = (),
          command: str = "train", hosts: Optional[list[str]] = None, rdzv_port: int = RDZV_PORT,
-         launch_source: str = "--nnodes/--gpus-per-node") -> Topology:
+         launch_source: str = "--nnodes/--gpus-per-node", device: str = "GPU") -> Topology:
     """Where everything runs for `cfg` (a validated TrainConfig) on `nnodes` x `gpus_per_node` GPUs. `hosts`: the
-    node names (default node0, node1, ... placeholders); the rest only shapes the printed commands."""
+    node names (default node0, node1, ... placeholders); the rest only shapes the printed commands. device="CPU":
+    `gpus_per_node` counts trainer processes, and the engines (rollout.engine.num_engines, started by rank 0) run on
+    the CPU cores, with SGLang's CPU command line."""
+    on_gpu = device == "GPU"
     if nnodes < 1:
         raise TopologyError(f"--nnodes must be >= 1, got {nnodes}")
     if gpus_per_node < 1:
@@ -201,7 +210,7 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
         raise TopologyError(f"{len(hosts)} host names for --nnodes {nnodes}. Fix: pass --nnodes {len(hosts)}")
     placement, engine_cfg = cfg.rollout.placement, cfg.rollout.engine
     engine_tp = engine_cfg.tp_size
-    if gpus_per_node % engine_tp:
+    if on_gpu and gpus_per_node % engine_tp:
         raise TopologyError(
             f"rollout.engine.tp_size={engine_tp} does not divide --gpus-per-node {gpus_per_node}: an SGLang engine "
             f"runs on one node. Fix: set rollout.engine.tp_size to a divisor of {gpus_per_node}")
@@ -225,34 +234,37 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
         where = f"{len(trainer_nodes)} trainer node(s) x {gpus_per_node} GPUs = {world} ranks"
         raise TopologyError(f"{e} [{where}; model shape from {shape_source}]") from None
     groups = rank_groups(p, world)
+    stage_layers = p.stage_layers(shape.num_layers) if shape is not None else None  # validated just above
+    split = p.pipeline_split(shape.num_layers) if shape is not None else {}
     dp = world // (p.tp * p.pp * p.cp)
     sizes = {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "ep": p.ep, "etp": p.expert_tp, "dp": dp,
              "expert-dp": world // (p.expert_tp * p.ep * p.pp)}
 
     model_path = cfg.model.path or os.path.join(cfg.run_dir, "base-model")
-    per_node = gpus_per_node // engine_tp
+    per_node = gpus_per_node // engine_tp if on_gpu else engine_cfg.num_engines
     # Colocated on one node: the trainer's rank 0 starts the engines itself (megarl.trainer.rl), which is the path
     # that releases engine memory between phases. Anything spanning nodes is pre-launched on each node.
     started_by = "trainer" if placement == "colocated" and nnodes == 1 else "nodes"
     engines = []
     for node in engine_nodes:
         for k in range(per_node):
-            gpus = tuple(range(k * engine_tp, (k + 1) * engine_tp))
+            gpus = tuple(range(k * engine_tp, (k + 1) * engine_tp)) if on_gpu else ()
             if started_by == "trainer":  # as megarl.trainer.rl starts them: localhost, a free port
                 port, url = None, "http://127.0.0.1:<free port>"
                 line = engine_command(cfg, model_path, len(engines), host="127.0.0.1", port=None,
-                                      base_gpu=gpus[0] if k else None)
+                                      base_gpu=gpus[0] if k and on_gpu else None, on_gpu=on_gpu)
             else:
                 port = ENGINE_PORT + k
                 url = f"http://{hosts[node]}:{port}"
-                line = engine_command(cfg, model_path, len(engines), host="0.0.0.0", port=port, base_gpu=gpus[0])
+                line = engine_command(cfg, model_path, len(engines), host="0.0.0.0", port=port,
+                                      base_gpu=gpus[0] if on_gpu else None, on_gpu=on_gpu)
             engines.append(Engine(index=len(engines), node=node, host=hosts[node], gpus=gpus, port=port, url=url,
                                   command=line))
     urls = tuple(e.url for e in engines) if started_by == "nodes" else ()
 
     extra = []  # overrides the trainer needs on top of the user's
     if started_by == "trainer":
-        if engine_cfg.num_engines != len(engines):
+        if on_gpu and engine_cfg.num_engines != len(engines):
             extra.append(f"rollout.engine.num_engines={len(engines)}")
         if engine_cfg.urls:
             notes.append("rollout.engine.urls is set: the trainer uses those servers and starts none; the engines "
@@ -280,7 +292,7 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
             i = trainer_nodes.index(node)
             ranks = tuple(range(i * gpus_per_node, (i + 1) * gpus_per_node))
             commands.append(shlex.join([
-                "torchrun", "--nnodes", str(len(trainer_nodes)), "--nproc-per-node", str(gpus_per_node),
+                "megarl-torchrun", "--nnodes", str(len(trainer_nodes)), "--nproc-per-node", str(gpus_per_node),
                 "--node-rank", str(i), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
                 "-m", "megarl.cli", command, config_path, *overrides, *extra]))
         role = "trainer + engines" if ranks and on_node else ("trainer" if ranks else "engines")
@@ -298,38 +310,28 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
                     world_size=world, parallel=p, sizes=sizes, groups=groups, model_path=model_path,
                     model_shape=shape, shape_source=shape_source, engine_tp=engine_tp, engines=tuple(engines),
                     engines_started_by=started_by, engine_urls=urls, rdzv_endpoint=rdzv_endpoint,
-                    nodes=tuple(node_plans), launch_source=launch_source, notes=tuple(notes))
+                    nodes=tuple(node_plans), launch_source=launch_source, notes=tuple(notes),
+                    stage_layers=stage_layers, pipeline_split=split, device=device)
 
 
 def engine_command(cfg, model_path: str, index: int, host: str, port: Optional[int],
-                   base_gpu: Optional[int]) -> str:
-    """The GPU form of megarl.rollout.server.server_command (which builds it for the device it runs on; a dry run
-    plans for GPU nodes from anywhere). Pre-launched engines add --base-gpu-id so each engine on a node gets its own
-    GPUs; port None prints FREE_PORT (the trainer picks one)."""
-    e = cfg.rollout.engine
-    cmd = ["python", "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
-           "--port", "FREE_PORT" if port is None else str(port), "--tp-size", str(e.tp_size)]
-    if base_gpu is not None:
-        cmd += ["--base-gpu-id", str(base_gpu)]
-    # getattr: rollout.engine.dtype and the MoE routing options are newer fields; a config without them plans too.
-    cmd += ["--random-seed", str(cfg.seed + index), "--dtype", getattr(e, "dtype", None) or "bfloat16",
-            "--log-level", "warning", "--skip-server-warmup"]
-    if e.max_total_tokens:
-        cmd += ["--max-total-tokens", str(e.max_total_tokens)]
-    if e.mem_fraction_static:
-        cmd += ["--mem-fraction-static", str(e.mem_fraction_static)]
-    if cfg.rollout.deterministic:
-        cmd += ["--enable-deterministic-inference"]
-    if getattr(cfg.rollout, "return_routed_experts", False) or getattr(cfg.rollout, "routing_replay", False):
-        cmd += ["--enable-return-routed-experts"]
-    return shlex.join(cmd + [str(a) for a in e.extra_args])
+                   base_gpu: Optional[int], on_gpu: bool = True) -> str:
+    """megarl.rollout.server.server_command for the planned device (the one builder; a dry run plans for GPU nodes
+    from anywhere), printed with `python` for the interpreter. Pre-launched engines add --base-gpu-id so each engine on a
+    node gets its own GPUs; port None prints FREE_PORT (the trainer picks one)."""
+    from ..rollout.server import engine_server_config, server_command
+
+    cmd, _ = server_command(engine_server_config(cfg, model_path, index, host=host, port=port, base_gpu_id=base_gpu),
+                            "FREE_PORT" if port is None else port, on_gpu=on_gpu)
+    return shlex.join(["python"] + cmd[1:])
 
 
 # ---------------------------------------------------------------------------------------- launch environment
-def launch_defaults(environ: Optional[Mapping[str, str]] = None) -> tuple[int, int, str]:
+def launch_defaults(environ: Optional[Mapping[str, str]] = None,
+                    local_gpus: Optional[int] = None) -> tuple[int, int, str]:
     """(nnodes, gpus_per_node, source) from the launcher's variables, as DistributedEnv reads them: torchrun's
     first (GROUP_WORLD_SIZE nodes x LOCAL_WORLD_SIZE), then Slurm's (SLURM_JOB_NUM_NODES x SLURM_GPUS_ON_NODE or
-    tasks per node), else 1 x 8."""
+    tasks per node), else this machine (local_gpus GPUs, or one CPU process when it has none), else 1 x 8."""
     env = os.environ if environ is None else environ
     if "WORLD_SIZE" in env and "LOCAL_WORLD_SIZE" in env:
         gpus = _env_int(env, "LOCAL_WORLD_SIZE")
@@ -345,6 +347,10 @@ def launch_defaults(environ: Optional[Mapping[str, str]] = None) -> tuple[int, i
         if env.get("SLURM_NTASKS"):
             return nodes, _env_int(env, "SLURM_NTASKS") // nodes, f"Slurm environment ({nodes_key}, SLURM_NTASKS)"
         return nodes, DEFAULT_GPUS_PER_NODE, f"Slurm environment ({nodes_key}); {DEFAULT_GPUS_PER_NODE} GPUs/node"
+    if local_gpus == 0:
+        return 1, 1, "this machine: no GPU, 1 CPU process (--gpus-per-node N: N processes)"
+    if local_gpus:
+        return 1, local_gpus, f"this machine: {local_gpus} GPU(s)"
     return 1, DEFAULT_GPUS_PER_NODE, f"default (1 node x {DEFAULT_GPUS_PER_NODE} GPUs)"
 
 
@@ -356,21 +362,6 @@ def launch_hosts(nnodes: int, environ: Optional[Mapping[str, str]] = None) -> Op
         return None
     hosts = expand_hostlist(nodelist)
     return hosts if len(hosts) == nnodes else None
-
-
-def expand_hostlist(nodelist: str) -> list[str]:
-    """A Slurm hostlist expression -> host names: 'gpu[003-005,9],cpu1' -> gpu003 gpu004 gpu005 gpu9 cpu1
-    (zero padding kept; one bracket per name, as Slurm writes them)."""
-    hosts = []
-    for prefix, ranges, suffix in re.findall(r"([^,\[]+)(?:\[([^\]]+)\])?([^,\[]*)", nodelist):
-        if not ranges:
-            hosts.append(prefix + suffix)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            for n in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{n:0{len(lo)}d}{suffix}")
-    return hosts
 
 
 def _env_int(env: Mapping[str, str], key: str) -> int:
@@ -386,7 +377,8 @@ def format_topology(topo: Topology, verbose: bool = False) -> str:
     """The dry run's report. Compact unless `verbose`: the first 2 groups of each kind and a count."""
     G = topo.gpus_per_node
     s = topo.sizes
-    lines = [f"megarl dry run: {topo.command} {topo.config_path} on {topo.nnodes} node(s) x {G} GPUs "
+    unit = "GPUs" if topo.device == "GPU" else "CPU process(es)"
+    lines = [f"megarl dry run: {topo.command} {topo.config_path} on {topo.nnodes} node(s) x {G} {unit} "
              f"[{topo.launch_source}]; placement {topo.placement}"]
     shape = topo.model_shape
     if shape is not None:
@@ -399,6 +391,8 @@ def format_topology(topo: Topology, verbose: bool = False) -> str:
     lines.append(f"parallel  tp={s['tp']} pp={s['pp']} vpp={s['vpp'] or '-'} cp={s['cp']} ep={s['ep']} "
                  f"etp={s['etp']} | dp={s['dp']} expert-dp={s['expert-dp']} | trainer world {topo.world_size} "
                  f"on node(s) {_span(topo.trainer_nodes)}, order {ORDER}")
+    if topo.stage_layers is not None and s["pp"] > 1:
+        lines += _format_stages(topo, verbose)
     lines.append("")
     lines.append("rank groups (megatron.core.parallel_state.RankGenerator, as initialize_model_parallel builds them)"
                  + ("" if verbose else "; first 2 of each kind, --verbose lists all"))
@@ -427,6 +421,8 @@ def format_topology(topo: Topology, verbose: bool = False) -> str:
     lines.append("")
     if topo.placement == "disaggregated":
         how = "on their own nodes; weights go over reshard.transport=distributed"
+    elif topo.device == "CPU":
+        how = "on this machine's CPU cores (SGLang's CPU engine), started by the trainer's rank 0"
     elif topo.engines_started_by == "trainer":
         how = "on the trainer's GPUs; engine memory is released while the trainer trains"
     else:
@@ -434,7 +430,8 @@ def format_topology(topo: Topology, verbose: bool = False) -> str:
     lines.append(f"engines   {len(topo.engines)} x SGLang tp {topo.engine_tp}, {how}")
     shown_engines = topo.engines if verbose or len(topo.engines) <= 8 else topo.engines[:4]
     for e in shown_engines:
-        lines.append(f"  engine {e.index}: node {e.node} ({e.host}) GPUs {_range(e.gpus)}  {e.url}")
+        gpus = f"GPUs {_range(e.gpus)}" if e.gpus else "CPU"
+        lines.append(f"  engine {e.index}: node {e.node} ({e.host}) {gpus}  {e.url}")
     if len(shown_engines) < len(topo.engines):
         lines.append(f"  ... {len(topo.engines) - len(shown_engines)} more")
     if topo.engines_started_by == "trainer":
@@ -457,6 +454,35 @@ def format_topology(topo: Topology, verbose: bool = False) -> str:
         lines.append("notes")
         lines += [f"  - {n}" for n in topo.notes]
     return "\n".join(lines)
+
+
+def _format_stages(topo: Topology, verbose: bool) -> list[str]:
+    """The decoder layers of every pipeline rank (and virtual stage), and where the split comes from."""
+    p, split = topo.parallel, topo.pipeline_split
+    fields = ", ".join(f"parallel.{k}={json.dumps(v)}" for k, v in split.items())  # true/false as YAML writes them
+    if not split:
+        how = "even split"
+    elif any(getattr(p, k) not in (None, False) for k in split):
+        how = f"split set in the config: {fields}"
+    else:
+        how = f"megarl's automatic split, as if {fields}"
+    total = sum(len(r) for chunks in topo.stage_layers for r in chunks)
+    lines = [f"stages    {total} decoder layers on pp {p.pp}{f' x vpp {p.virtual_pp}' if p.virtual_pp else ''} "
+             f"({how}; megatron-core's placement)"]
+    rows = [(rank, chunks) for rank, chunks in enumerate(topo.stage_layers)]
+    shown = rows if verbose or len(rows) <= 4 else rows[:2] + [None] + rows[-1:]
+    for row in shown:
+        if row is None:
+            hidden = rows[2:-1]
+            counts = sorted({sum(len(r) for r in chunks) for _, chunks in hidden})
+            each = f"{counts[0]} layers each" if len(counts) == 1 else f"{counts[0]}-{counts[-1]} layers"
+            lines.append(f"  ... pp ranks {hidden[0][0]}-{hidden[-1][0]}: {each}")
+            continue
+        rank, chunks = row
+        parts = [f"{r.start}-{r.stop - 1}" if len(r) > 1 else (f"{r.start}" if len(r) else "none") for r in chunks]
+        where = " | ".join(parts) if len(chunks) > 1 else parts[0]
+        lines.append(f"  pp rank {rank}: layers {where} ({sum(len(r) for r in chunks)})")
+    return lines
 
 
 def _listed_nodes(topo, verbose: bool, lines: list, elided: str):
@@ -499,8 +525,9 @@ def _fmt_hosts(topo: Topology, ranks: list[int]) -> str:
         by_gpus.setdefault(tuple(sorted(gpus)), []).append(node)
     parts = []
     for gpus, nodes in by_gpus.items():
-        parts.append(f"node{'s' if len(nodes) > 1 else ''} {_span(nodes)} GPU{'s' if len(gpus) > 1 else ''} "
-                     f"{_range(gpus)}")
+        unit = "GPU" if topo.device == "GPU" else "process"
+        plural = ("es" if unit == "process" else "s") if len(gpus) > 1 else ""
+        parts.append(f"node{'s' if len(nodes) > 1 else ''} {_span(nodes)} {unit}{plural} {_range(gpus)}")
     return "; ".join(parts)
 
 

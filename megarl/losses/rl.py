@@ -40,6 +40,19 @@ class TokenBatch:
     old_values: Optional[torch.Tensor] = None  # the critic's values at rollout time (value clipping anchor)
     routed_experts: Optional[torch.Tensor] = None  # [b, s, layers, top-k] the engine's MoE routing (R3 replay)
 
+    def __post_init__(self):
+        shape = tuple(self.input_ids.shape)
+        if len(shape) != 2:
+            raise ValueError(f"TokenBatch.input_ids has shape {list(shape)}; it must be [batch, seq] (one row per "
+                             "sequence). Fix: stack the sequences, e.g. with shift_sequences()")
+        for f in fields(self)[1:]:
+            value = getattr(self, f.name)
+            if value is not None and (tuple(value.shape[:2]) != shape or
+                                      (value.dim() != 2 and f.name != "routed_experts")):
+                raise ValueError(f"TokenBatch.{f.name} has shape {list(value.shape)}; it must be [batch, seq] = "
+                                 f"{list(shape)} like input_ids, one value per position t (the prediction of "
+                                 "targets[t]; see docs/losses.md). Fix: build it on the same rows and padded length")
+
     def rows(self, index) -> "TokenBatch":
         return replace(self, **{f.name: getattr(self, f.name)[index] for f in fields(self)
                                 if getattr(self, f.name) is not None})
@@ -51,6 +64,26 @@ class TokenBatch:
                              "micro-batches")
         step = size // num_micro_batches
         return [self.rows(slice(i, i + step)) for i in range(0, size, step)]
+
+    def pad_to_multiple(self, multiple: int) -> "TokenBatch":
+        """This batch with the sequence dimension right-padded to a multiple of `multiple` (itself if it is one).
+
+        Sequence parallelism (on at TP > 1) splits the sequence over the TP ranks, so Megatron needs seq % TP == 0.
+        Padded positions are inert: loss_mask 0 (and segment 0), so no loss, gradient or metric sees them, and
+        causal attention keeps them out of the real positions' outputs."""
+        extra = -self.input_ids.shape[1] % multiple
+        if not extra:
+            return self
+
+        def pad(name: str, t: torch.Tensor) -> torch.Tensor:
+            if name == "routed_experts":  # a valid routing for the padding: the last position's experts
+                tail = t[:, -1:].expand(-1, extra, *t.shape[2:])
+            else:
+                tail = t.new_zeros((t.shape[0], extra, *t.shape[2:]))
+            return torch.cat([t, tail], dim=1)
+
+        return replace(self, **{f.name: pad(f.name, getattr(self, f.name)) for f in fields(self)
+                                if getattr(self, f.name) is not None})
 
 
 def shift_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int, seq_len: int | None = None):
@@ -81,11 +114,23 @@ def place_response_values(values: list[list[float]], prompt_lengths: list[int], 
 
 
 def prepare_global_batch(batch: TokenBatch, aggregation: str = "token-mean", norm_length: int | None = None,
-                         dp_group=None) -> TokenBatch:
+                         dp_group=None, seq_multiple: int | None = None) -> TokenBatch:
     """Set loss_weight for this data-parallel rank's share of the global batch (whole sequences, before micro-batch
-    and context-parallel splits). Global counts are summed over dp_group."""
+    and context-parallel splits), and right-pad the sequence to a multiple of `seq_multiple` (default: the tensor
+    parallel size of megatron's parallel_state, which sequence parallelism needs; see TokenBatch.pad_to_multiple).
+    Global counts are summed over dp_group."""
+    if seq_multiple is None:
+        seq_multiple = _tp_size()
+    batch = batch.pad_to_multiple(seq_multiple)
     num_tokens, num_seqs = global_counts(batch.loss_mask, dp_group)
     return replace(batch, loss_weight=loss_weights(batch.loss_mask, aggregation, num_tokens, num_seqs, norm_length))
+
+
+def _tp_size() -> int:
+    """The tensor-parallel size of megatron's parallel_state, 1 before it is initialised."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
 
 
 # ------------------------------------------------------------------------------------------------------ objectives

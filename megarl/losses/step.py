@@ -10,9 +10,19 @@ from .rl import TokenBatch, make_loss_func, make_value_loss_func, reduce_metrics
 from .vocab_parallel import vocab_parallel_logprob_entropy
 
 
-def run_schedule(model: list, micro_batches: list[TokenBatch], loss_func_for, forward_only: bool = False):
-    """get_forward_backward_func() over the micro-batches; loss_func_for(batch) gives each one's loss_func."""
+def run_schedule(model, micro_batches: list[TokenBatch], loss_func_for, forward_only: bool = False):
+    """get_forward_backward_func() over the micro-batches; loss_func_for(batch) gives each one's loss_func.
+
+    model: one (DDP-wrapped) GPTModel or the list of its virtual-pipeline chunks. With sequence parallelism the
+    micro-batches are right-padded to a multiple of the TP size first (inert positions, TokenBatch.pad_to_multiple),
+    so any sequence length works; loss_func_for sees the padded micro-batch."""
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model = as_chunks(model)
+    if _unwrap(model[0]).config.sequence_parallel:
+        tp = ps.get_tensor_model_parallel_world_size()
+        micro_batches = [b.pad_to_multiple(tp) for b in micro_batches]
 
     def forward_step(data_iterator, chunk):
         batch = next(data_iterator)
@@ -27,9 +37,10 @@ def run_schedule(model: list, micro_batches: list[TokenBatch], loss_func_for, fo
         micro_batch_size=micro_batches[0].input_ids.shape[0], forward_only=forward_only)
 
 
-def forward_backward(model: list, global_batch: TokenBatch, num_microbatches: int, cfg, vocab_size: int,
+def forward_backward(model, global_batch: TokenBatch, num_microbatches: int, cfg, vocab_size: int,
                      objective: str = "rl") -> list:
     """Accumulate gradients of this rank's share of a prepared global batch; returns the loss functions' metrics."""
+    model = as_chunks(model)
     micro_batches = global_batch.split(num_microbatches)
     config = _unwrap(model[0]).config
     if objective == "value":  # the critic: its "logits" are the value head's output
@@ -39,9 +50,16 @@ def forward_backward(model: list, global_batch: TokenBatch, num_microbatches: in
         b, cfg, num_microbatches=num_microbatches, vocab_size=vocab_size, objective=objective, model_config=config))
 
 
-def train_step(model: list, optimizer, global_batch: TokenBatch, num_microbatches: int, cfg, vocab_size: int,
+def train_step(model, optimizer, global_batch: TokenBatch, num_microbatches: int, cfg, vocab_size: int,
                objective: str = "rl") -> dict:
-    """zero grads -> forward/backward over the micro-batches -> optimizer step; globally reduced metrics."""
+    """zero grads -> forward/backward over the micro-batches -> optimizer step; globally reduced metrics.
+
+    model: the Megatron-DDP-wrapped model (one module or its virtual-pipeline chunks) whose config has
+    finalize_model_grads_func set (megarl.trainer.setup.wrap_ddp does both): the schedule then reduces gradients
+    over DP and all-reduces the sequence-parallel (norm) gradients over TP. global_batch: prepared by
+    prepare_global_batch(). cfg: the AlgorithmConfig (None for objective="sft")."""
+    model = as_chunks(model)
+    _check_finalize(model)
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -54,9 +72,10 @@ def train_step(model: list, optimizer, global_batch: TokenBatch, num_microbatche
 
 
 @torch.no_grad()
-def forward_only(model: list, global_batch: TokenBatch, num_microbatches: int, per_token):
+def forward_only(model, global_batch: TokenBatch, num_microbatches: int, per_token):
     """per_token(model_output, micro_batch) -> [b, s] for every micro-batch through the forward-only schedule,
-    concatenated and masked by loss_mask; on the last pipeline stage (None elsewhere)."""
+    concatenated and masked by loss_mask, with the batch's own sequence length s (padding run_schedule added is cut
+    off again); on the last pipeline stage (None elsewhere)."""
     from megatron.core import parallel_state as ps
 
     def loss_func_for(batch):
@@ -69,7 +88,7 @@ def forward_only(model: list, global_batch: TokenBatch, num_microbatches: int, p
     outputs = run_schedule(model, global_batch.split(num_microbatches), loss_func_for, forward_only=True)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    return torch.cat([o["values"] for o in outputs])
+    return torch.cat([o["values"] for o in outputs])[:, :global_batch.input_ids.shape[1]]
 
 
 def holds_results() -> bool:
@@ -80,11 +99,12 @@ def holds_results() -> bool:
     return ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
 
 
-def compute_log_probs(model: list, global_batch: TokenBatch, num_microbatches: int, vocab_size: int,
+def compute_log_probs(model, global_batch: TokenBatch, num_microbatches: int, vocab_size: int,
                       temperature: float = 1.0, entropy: bool = False):
-    """Log-probs [b, s] of the batch's targets under `model` (old or reference policy), on the last pipeline stage
-    (None elsewhere); positions outside loss_mask are 0. entropy=True: (log-probs, entropies of the predicted
-    distribution) from the same forward."""
+    """Log-probs [b, s] of the batch's targets under `model` (old or reference policy; one module or its chunks), on
+    the last pipeline stage (None elsewhere; every TP rank there holds the same values); positions outside
+    loss_mask are 0. Needs only input_ids, targets, loss_mask (and segment_ids when packed). entropy=True:
+    (log-probs, entropies of the predicted distribution) from the same forward."""
     from megatron.core import parallel_state as ps
 
     def log_probs(logits, batch):
@@ -97,9 +117,24 @@ def compute_log_probs(model: list, global_batch: TokenBatch, num_microbatches: i
     return tuple(out.unbind(-1)) if entropy and out is not None else out
 
 
-def compute_values(model: list, global_batch: TokenBatch, num_microbatches: int):
+def compute_values(model, global_batch: TokenBatch, num_microbatches: int):
     """The critic's values [b, s] on the last pipeline stage (None elsewhere); 0 outside loss_mask."""
     return forward_only(model, global_batch, num_microbatches, lambda output, batch: values_from_head(output))
+
+
+def as_chunks(model) -> list:
+    """[model] for one module, the list itself for virtual-pipeline chunks."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _check_finalize(model: list) -> None:
+    """Without finalize_model_grads the schedule never reduces gradients over DP nor all-reduces the
+    sequence-parallel norm gradients over TP: TP replicas would silently drift apart."""
+    config = _unwrap(model[0]).config
+    if config.finalize_model_grads_func is None or not hasattr(model[0], "zero_grad_buffer"):
+        raise ValueError("train_step needs the model wrapped in Megatron DDP with config.finalize_model_grads_func "
+                         "set (otherwise DP and sequence-parallel gradients are never reduced). Fix: "
+                         "model = megarl.trainer.setup.wrap_ddp(chunks), or set both yourself (docs/losses.md)")
 
 
 def _unwrap(model):

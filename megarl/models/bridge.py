@@ -30,7 +30,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from .. import platform
+from .. import parallel, platform
 from .checkpoint import publish_dir
 from .hf import HFModelFolder, open_model_folder
 
@@ -86,6 +86,10 @@ class ModelBridge:
         c = self.hf.config
         extras = dict(platform.transformer_config_overrides())
         extras.update(hidden_dropout=0.0, attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0))
+        # Uneven pipeline stages (num_layers_in_first/last_pipeline_stage, account_for_*_in_pipeline_split): megatron
+        # places the layers from these (get_transformer_layer_offset), so layer numbers, and with them canonical
+        # names and dist-checkpoint keys, stay global.
+        extras.update(parallel.pipeline_split(c.num_hidden_layers))
         if self.hf.is_moe:
             # Qwen3-MoE renormalises the top-k probabilities when norm_topk_prob is set: that is Megatron's softmax
             # over the top-k logits (pre_softmax=False). Without it, probabilities come from a softmax over all

@@ -8,6 +8,7 @@ from typing import Iterable
 
 import torch
 
+from ..errors import UserError
 from ..parallel.config import ModelShape
 
 # model_type -> the transformers architecture class name megarl supports for it.
@@ -20,7 +21,7 @@ SUPPORTED_ARCHITECTURES = {
 _REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
 
 
-class ModelFolderError(ValueError):
+class ModelFolderError(UserError, ValueError):
     """A model folder megarl cannot use; the message names the file/field and the fix."""
 
 

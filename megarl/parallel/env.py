@@ -7,8 +7,10 @@ import socket
 from dataclasses import dataclass
 from typing import Mapping
 
+from ..errors import UserError
 
-class LaunchEnvError(ValueError):
+
+class LaunchEnvError(UserError, ValueError):
     pass
 
 
@@ -62,15 +64,27 @@ def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
         raise LaunchEnvError(f"environment variable {key}={value!r} is not an integer") from None
 
 
+def expand_hostlist(nodelist: str) -> list[str]:
+    """A Slurm hostlist expression -> host names: 'gpu[003-005,9],cpu1' -> gpu003 gpu004 gpu005 gpu9 cpu1
+    (zero padding kept; one bracket per name, as Slurm writes them)."""
+    hosts = []
+    for prefix, ranges, suffix in re.findall(r"([^,\[]+)(?:\[([^\]]+)\])?([^,\[]*)", nodelist):
+        if not ranges:
+            hosts.append(prefix + suffix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            for n in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{n:0{len(lo)}d}{suffix}")
+    return hosts
+
+
 def first_slurm_host(nodelist: str) -> str:
     """First host of a Slurm hostlist expression: 'gpu[003-005,9],cpu1' -> 'gpu003' (zero padding kept)."""
-    match = re.match(r"\s*([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
-    if not match or not match.group(1):
+    hosts = expand_hostlist(nodelist.strip())
+    if not hosts or not hosts[0]:
         raise LaunchEnvError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
-    prefix, ranges = match.group(1), match.group(2)
-    if ranges is None:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+    return hosts[0]
 
 
 def free_port() -> int:

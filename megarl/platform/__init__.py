@@ -1,17 +1,30 @@
 """Where megarl meets the hardware: version pins, CPU shims for megatron-core, and the config flags each device needs.
 
-`setup()` is called by everything that builds Megatron objects (megarl.parallel.initialize does it). It checks the
-megatron-core version and, only when CUDA is absent, installs the CPU shims (cpu_shims.py). On a GPU it changes nothing.
+`setup()` is called by everything that builds Megatron objects (megarl.parallel.initialize does it). Only when CUDA is
+absent, it checks the megatron-core version (the CPU shims patch lines of exactly that release) and installs the CPU
+shims (cpu_shims.py). On a GPU it changes nothing: megatron-core's own CUDA paths need no shim, so no pin is enforced.
 """
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 
 import torch
 
 from .version import PINNED, VersionMismatchError, check_versions
 
 _done = False
+# Notices megatron-core and mbridge print at import on every rank, none of which a megarl user can act on: the
+# optional CUDA packages are absent on CPU by design, and the rest are about APIs megarl does not use.
+_IMPORT_NOTICES = ("Apex is not installed", "absl.logging is not installed", "full scope is deprecated",
+                   "MimoModelConfig is experimental")
+for _notice in _IMPORT_NOTICES + (("Transformer Engine and Apex are not installed",) if not torch.cuda.is_available()
+                                  else ()):
+    warnings.filterwarnings("ignore", message=f".*{_notice}", category=UserWarning)
+# megatron-core 0.19.2 logs that GPTModel is deprecated in favour of HybridModel each time one is built; megarl builds
+# GPTModel on purpose (mbridge maps onto it).
+logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(lambda r: "IS DEPRECATED" not in r.getMessage())
 
 
 def on_gpu() -> bool:
@@ -19,12 +32,12 @@ def on_gpu() -> bool:
 
 
 def setup() -> None:
-    """Idempotent: check pinned versions; on CPU apply the megatron-core shims."""
+    """Idempotent: on CPU, check the pinned megatron-core version and apply its shims."""
     global _done
     if _done:
         return
-    check_versions()
     if not on_gpu():
+        check_versions()  # where the shims apply, and only there
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         from . import cpu_shims
 

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 from importlib import metadata
 
+from ..errors import UserError
+
 PINNED = {"megatron-core": "0.19.2"}
 
 
-class VersionMismatchError(RuntimeError):
+class VersionMismatchError(UserError, RuntimeError):
     pass
 
 

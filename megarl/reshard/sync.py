@@ -9,6 +9,7 @@ deadlock against another rank's collective. Rank 0 opens and closes the engine's
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from .. import platform
 from ..rollout.client import EngineClient
 from .buckets import DEFAULT_BUCKET_BYTES, BucketPacker
-from .transports import DiskTransport
+from .transports import WeightSource
 from .verify import probe_sequences, verify_checksums, verify_probes
 
 
@@ -40,7 +41,8 @@ class WeightSync:
         self.owners = bridge.owner_ranks(chunks)
         transport.setup(self.owners)
         self.probes = probe_sequences(bridge.vocab_size)
-        self.packer = BucketPacker(self.cfg.bucket_bytes, shared_memory=getattr(transport, "shared_memory", False))
+        self.source = WeightSource(bridge, chunks, self.owners, BucketPacker(
+            self.cfg.bucket_bytes, shared_memory=getattr(transport, "shared_memory", False)), self.dtype)
         self.last_stats: dict = {}
 
     def sync(self, version: str | None = None, verify: bool | None = None) -> dict:
@@ -52,23 +54,17 @@ class WeightSync:
         if rank == 0:
             self.client.begin_weight_update()
         dist.barrier()
-        pushed_bytes, buckets = 0, 0
         try:
-            if isinstance(self.transport, DiskTransport):
-                self.transport.push_model(self.bridge, self.chunks, version)
-            else:
-                for owner in self.owners:
-                    stream = self.bridge.export_hf_weights(self.chunks, owner=owner, copy=False)
-                    for bucket in self.packer.pack(stream, self.dtype):
-                        self.transport.push(bucket, version)  # only the owner's stream yields buckets
-                        pushed_bytes += bucket.nbytes
-                        buckets += 1
-                    dist.barrier()
-        finally:
-            dist.barrier()
-            if rank == 0:
-                self.client.end_weight_update()
-                self.client.flush_cache()
+            pushed_bytes, buckets = self.transport.send(self.source, version)
+        except BaseException:
+            if rank == 0:  # close the window if the engine still can; the push's error is the one to report
+                with contextlib.suppress(Exception):
+                    self.client.end_weight_update()
+            raise
+        dist.barrier()
+        if rank == 0:
+            self.client.end_weight_update()
+            self.client.flush_cache()
         self.count += 1
         stats = {"sync_s": time.perf_counter() - start, "pushed_bytes": _sum(pushed_bytes),
                  "buckets": int(_sum(buckets)), "version": version}

@@ -1,5 +1,12 @@
-"""How buckets reach the rollout engine. One small class per transport; the sync loop (sync.py) decides who pushes
-when. Every push happens between the engine's begin_weight_update and end_weight_update.
+"""How the trainer's weights reach the rollout engine. One small class per transport, one interface:
+
+    transport = TRANSPORTS[name](client, TransportOptions(engine_tp=2, ...))
+    transport.setup(owners)                      # once, a collective
+    pushed_bytes, buckets = transport.send(source, version)   # every sync, a collective (between the engine's
+    transport.close()                                         # begin_weight_update and end_weight_update)
+
+The bucketed transports send with `send_buckets`: owners push in turns (the owner's HF tensors are packed into
+bounded buckets, each handed to `push`), so a rank holds at most one bucket plus the tensor being converted.
 
 - TensorTransport (colocated): SGLang's flattened-bucket format, serialised with SGLang's MultiprocessingSerializer and
   posted to /update_weights_from_tensor; the engine maps the shared memory (no copy through HTTP).
@@ -13,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,14 +29,45 @@ from .. import platform
 from ..parallel.env import free_port
 from ..rollout.client import EngineClient
 from ..rollout.server import EngineError
-from .buckets import FlatBucket
+from .buckets import BucketPacker, FlatBucket
+
+
+@dataclass
+class TransportOptions:
+    engine_tp: int = 1  # the engine's TP size (tensor: one payload per engine rank; distributed: group size)
+    master_address: str = "127.0.0.1"  # distributed: where the engine reaches the owner rank's group
+    folder: str | None = None  # disk: the HF folder the trainer writes and the engine reloads
+
+
+@dataclass
+class WeightSource:
+    """What a transport sends: the trainer's model, the ranks that own HF tensors, the packer and the engine dtype."""
+    bridge: object
+    chunks: list
+    owners: list[int]
+    packer: BucketPacker
+    dtype: torch.dtype
+
+
+def send_buckets(transport, source: WeightSource, version: str) -> tuple[int, int]:
+    """Owners in turns: each packs its HF tensors into buckets and `transport.push`es them; the others wait at a
+    barrier. Returns (bytes, buckets) this rank pushed."""
+    pushed_bytes, buckets = 0, 0
+    for owner in source.owners:
+        stream = source.bridge.export_hf_weights(source.chunks, owner=owner, copy=False)
+        for bucket in source.packer.pack(stream, source.dtype):  # only the owner's stream yields buckets
+            transport.push(bucket, version)
+            pushed_bytes += bucket.nbytes
+            buckets += 1
+        dist.barrier()
+    return pushed_bytes, buckets
 
 
 class TensorTransport:
     name = "tensor"
 
-    def __init__(self, client: EngineClient, engine_tp: int = 1):
-        self.client, self.engine_tp = client, engine_tp
+    def __init__(self, client: EngineClient, options: TransportOptions | None = None):
+        self.client, self.engine_tp = client, (options or TransportOptions()).engine_tp
 
     def setup(self, owners: list[int]) -> None:
         # SGLang on CPU: CPU tensors must be shared through files, or its scheduler rejects the handle.
@@ -37,13 +76,19 @@ class TensorTransport:
 
     shared_memory = True  # the bucket buffer lives in shared memory: SGLang maps it, nothing is copied
 
+    def send(self, source: WeightSource, version: str) -> tuple[int, int]:
+        return send_buckets(self, source, version)
+
     def push(self, bucket: FlatBucket, version: str) -> None:
         from sglang.srt.utils import MultiprocessingSerializer
 
-        payload = MultiprocessingSerializer.serialize({"flattened_tensor": bucket.flat, "metadata": bucket.metadata},
-                                                      output_str=True)
+        # One serialisation per engine TP rank: on CPU (torch's file_system sharing) each serialisation takes one
+        # reference on the shared-memory file that exactly one deserialisation gives back; a single payload opened by
+        # two ranks drops the file after the first ("unable to open shared memory object" on the second).
+        payloads = [MultiprocessingSerializer.serialize({"flattened_tensor": bucket.flat, "metadata": bucket.metadata},
+                                                        output_str=True) for _ in range(self.engine_tp)]
         result = self.client.call("/update_weights_from_tensor", {
-            "serialized_named_tensors": [payload] * self.engine_tp, "load_format": "flattened_bucket",
+            "serialized_named_tensors": payloads, "load_format": "flattened_bucket",
             "flush_cache": False, "weight_version": version})
         _check(result, "/update_weights_from_tensor", bucket)
 
@@ -54,8 +99,9 @@ class TensorTransport:
 class DistributedTransport:
     name = "distributed"
 
-    def __init__(self, client: EngineClient, engine_tp: int = 1, master_address: str = "127.0.0.1"):
-        self.client, self.engine_tp, self.master_address = client, engine_tp, master_address
+    def __init__(self, client: EngineClient, options: TransportOptions | None = None):
+        options = options or TransportOptions()
+        self.client, self.engine_tp, self.master_address = client, options.engine_tp, options.master_address
         self.group = None
         self.group_name = None
 
@@ -96,6 +142,9 @@ class DistributedTransport:
 
     shared_memory = False
 
+    def send(self, source: WeightSource, version: str) -> tuple[int, int]:
+        return send_buckets(self, source, version)
+
     def push(self, bucket: FlatBucket, version: str) -> None:
         box = {}
         request = threading.Thread(target=self._call_into, args=(box, "/update_weights_from_distributed", {
@@ -120,19 +169,25 @@ class DiskTransport:
     """Whole-model fallback: not bucketed; ModelBridge.save_hf writes one shard per owner rank."""
     name = "disk"
 
-    def __init__(self, client: EngineClient, folder: str):
+    shared_memory = False
+
+    def __init__(self, client: EngineClient, options: TransportOptions | None = None):
+        folder = (options or TransportOptions()).folder
+        if not folder:
+            raise ValueError("DiskTransport needs TransportOptions.folder (the HF folder the engine reloads)")
         self.client, self.folder = client, folder
 
     def setup(self, owners: list[int]) -> None:
         pass
 
-    def push_model(self, bridge, chunks, version: str) -> None:
-        bridge.save_hf(chunks, self.folder)
+    def send(self, source: WeightSource, version: str) -> tuple[int, int]:
+        source.bridge.save_hf(source.chunks, self.folder)
         if dist.get_rank() == 0:
             result = self.client.call("/update_weights_from_disk", {"model_path": os.path.abspath(self.folder),
                                                                    "weight_version": version})
             _check(result, "/update_weights_from_disk", None)
         dist.barrier()
+        return 0, 0  # nothing bucketed: the engine read the folder
 
     def close(self) -> None:
         pass

@@ -3,8 +3,8 @@ ranks' critical path.
 
 A reward function is `fn(response: str, answer: str | None, **kwargs) -> float`. Built in: `math` (math-verify:
 parses the reference and the response, LaTeX or plain, and checks mathematical equivalence), `exact_match`
-(whitespace/case-normalised string, or numeric, equality), `code` (the response's last Python block, followed by
-the test code in the answer, runs in megarl.sandbox: 1.0 when the tests pass).
+(whitespace/case-normalised string, or numeric, equality), `code` (the response's last Python block runs in
+megarl.sandbox and is judged outside it against the answer's tests: 1.0 when all pass; see megarl.rewards.code).
 `reward.name: "my_pkg.rewards:score"` loads a user function by dotted path.
 """
 from . import code  # registers "code" (tests run in the sandbox)

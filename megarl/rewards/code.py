@@ -1,27 +1,45 @@
-"""Reward for code generation: run the response's Python with the prompt's tests appended, in the sandbox.
+"""Reward for code generation, judged outside the judged process.
 
-`answer` is test code (e.g. "assert add(1, 2) == 3"). The response's last ```python (or bare ```) block is the
-solution, or the whole response when it has none. Passing all tests scores 1.0; anything else raises
-CodeRewardFailure with the sandbox's reason, which RewardPool turns into reward 0.0 with the reason logged and counted.
-SandboxUnavailable is not a failure of the response and is left to propagate (fail closed).
+The response's last ```python (or bare ```) block is the solution, or the whole response when it has none. It runs
+in megarl.sandbox; what comes back out is plain data (text, or values encoded as JSON by exact type), and the
+comparison with the expected results happens here, in the trusted reward process. The expected results never enter
+the sandbox, so nothing the solution can read (its source, its code objects, the harness), print, return (objects
+that claim to equal anything) or exit with can forge a pass: it has to produce the right values.
 
-Limits come from the reward kwargs (reward.kwargs in config): cpu_s, wall_s, memory_mb, file_mb, processes,
-output_bytes (see SandboxLimits).
+`answer` (the prompt's tests) takes one of three forms, those of public code-RL datasets:
+
+- assert-based test code (MBPP style), e.g. "assert add(1, 2) == 3". Each top-level `assert EXPR == LITERAL` (or
+  `LITERAL == EXPR`), `assert EXPR`, `assert not EXPR` and `assert math.isclose(EXPR, LITERAL, ...)` becomes one
+  check: only EXPR is evaluated in the sandbox, the LITERAL stays here. Other top-level statements (imports, helper
+  definitions, assignments) run in the sandbox before the checks. An assert of any other shape cannot be judged
+  outside the sandbox and is rejected with a ValueError naming its line (rewrite it as EXPR == LITERAL);
+- stdin/stdout cases (APPS/TACO/CodeContests style): JSON {"inputs": [stdin, ...], "outputs": [stdout, ...]}: one
+  sandbox run per case, stopping at the first failure; outputs compare line by line with trailing whitespace and
+  trailing blank lines ignored;
+- function-call cases: the same with "fn_name": inputs[i] is the list of arguments, outputs[i] the expected return
+  value (JSON; tuples in the return value compare as lists).
+
+Passing every check scores 1.0; anything else raises CodeRewardFailure naming the first failed check or the
+sandbox's reason, which RewardPool turns into reward 0.0 with the reason logged and counted. SandboxUnavailable is
+not a failure of the response and propagates (fail closed).
+
+Limits come from the reward kwargs (reward.kwargs in config): cpu_s, wall_s, memory_mb, file_mb, processes, disk_mb,
+output_bytes (see SandboxLimits), per sandbox run.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
-import re
-import secrets
+import json
+import math
 
 from .functions import register_reward
 from ..sandbox import SandboxLimits, run_python
 
-# an opening fence with an optional language tag, then everything up to the closing fence (or the end of a
-# response that was cut off mid-block)
-_FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _PYTHON_TAGS = {"", "python", "py", "python3"}
 _LIMIT_FIELDS = {f.name for f in dataclasses.fields(SandboxLimits)}
+_SOLUTION = "solution.py"
+_SHOW = 120  # characters of a value shown in a failure reason
 
 
 class CodeRewardFailure(ValueError):
@@ -29,9 +47,26 @@ class CodeRewardFailure(ValueError):
 
 
 def extract_code(response: str) -> str:
-    """The last Python (or untagged) fenced block, else the whole response."""
-    blocks = [body for tag, body in _FENCE.findall(response) if tag.lower() in _PYTHON_TAGS]
-    return blocks[-1] if blocks else response
+    """The last Python (or untagged) fenced block, else the whole response. One pass over the lines (linear time, on
+    any input): a line containing ``` opens a block (the word after it is the language tag); the next line
+    containing ``` closes it (its text before the fence belongs to the block); an unclosed block runs to the end."""
+    blocks, body, tag = [], None, ""
+    for line in response.split("\n"):
+        at = line.find("```")
+        if body is None:
+            if at >= 0:
+                words = line[at + 3:].split(maxsplit=1)
+                tag, body = (words[0] if words else "").lower(), []
+        elif at >= 0:
+            body.append(line[:at])
+            blocks.append((tag, "\n".join(body).rstrip("\n") + "\n" if any(body) else ""))
+            body = None
+        else:
+            body.append(line)
+    if body is not None:
+        blocks.append((tag, "\n".join(body)))
+    python = [text for tag, text in blocks if tag in _PYTHON_TAGS]
+    return python[-1] if python else response
 
 
 def limits_from(kwargs: dict) -> SandboxLimits:
@@ -41,24 +76,248 @@ def limits_from(kwargs: dict) -> SandboxLimits:
     return SandboxLimits(**kwargs)
 
 
-def program(solution: str, tests: str, token: str) -> str:
-    """Solution, then tests, then a completion line: a solution that ends the process early with status 0
-    (sys.exit(0), os._exit(0)) never prints the token, so it cannot pass without running the tests."""
-    return f"{solution}\n\n{tests}\n\nprint({token!r})\n"
+# ------------------------------------------------------------------------------------------------- the test spec
+
+
+@dataclasses.dataclass
+class Check:
+    expr: str                 # source evaluated in the sandbox
+    kind: str                 # "eq", "true", "false", "close"
+    expected: object = None   # stays outside the sandbox
+    options: dict = dataclasses.field(default_factory=dict)  # isclose's rel_tol / abs_tol
+    line: int = 0
+
+
+def _literal(node: ast.AST):
+    try:
+        return True, ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False, None
+
+
+def _is_isclose(func: ast.AST) -> bool:
+    return (isinstance(func, ast.Name) and func.id == "isclose" or
+            isinstance(func, ast.Attribute) and func.attr == "isclose")
+
+
+def _check(test: ast.Assert, source: str) -> Check:
+    cond, line = test.test, test.lineno
+    if isinstance(cond, ast.Compare) and len(cond.ops) == 1 and isinstance(cond.ops[0], ast.Eq):
+        left, right = cond.left, cond.comparators[0]
+        for expr, lit in ((left, right), (right, left)):
+            ok, value = _literal(lit)
+            if ok:
+                return Check(ast.get_source_segment(source, expr), "eq", value, line=line)
+    if isinstance(cond, ast.Call) and _is_isclose(cond.func) and len(cond.args) == 2:
+        ok, value = _literal(cond.args[1])
+        options = {k.arg: _literal(k.value) for k in cond.keywords}
+        if ok and all(k in ("rel_tol", "abs_tol") and good for k, (good, _) in options.items()):
+            return Check(ast.get_source_segment(source, cond.args[0]), "close", value,
+                         {k: v for k, (_, v) in options.items()}, line=line)
+    if isinstance(cond, ast.UnaryOp) and isinstance(cond.op, ast.Not):
+        return Check(ast.get_source_segment(source, cond.operand), "false", line=line)
+    if not isinstance(cond, (ast.Compare, ast.BoolOp)):
+        return Check(ast.get_source_segment(source, cond), "true", line=line)
+    raise ValueError(f"reward code: test line {line} `{ast.get_source_segment(source, test)[:100]}` cannot be judged "
+                     "outside the sandbox; write it as `assert EXPR == LITERAL` (or use stdin/stdout or function-call "
+                     "cases)")
+
+
+def parse_tests(tests: str) -> tuple[str, list[Check]]:
+    """Assert-based test code -> (setup code run in the sandbox, checks judged here)."""
+    try:
+        tree = ast.parse(tests)
+    except SyntaxError as e:
+        raise ValueError(f"reward code: the test code does not parse (line {e.lineno}: {e.msg})") from None
+    setup, checks = [], []
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Assert):
+            checks.append(_check(stmt, tests))
+        else:
+            setup.append(ast.get_source_segment(tests, stmt))
+    if not checks:
+        raise ValueError("reward code: the test code has no top-level assert to check")
+    return "\n".join(setup), checks
+
+
+def parse_cases(answer) -> dict | None:
+    """The {"inputs", "outputs"[, "fn_name"]} cases in `answer` (a dict or its JSON), or None for test code."""
+    if isinstance(answer, str):
+        if not answer.lstrip().startswith("{"):
+            return None
+        try:
+            answer = json.loads(answer)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"reward code: the answer starts with '{{' but is not valid JSON cases ({e})") from None
+    if not isinstance(answer, dict) or not {"inputs", "outputs"} <= set(answer):
+        raise ValueError("reward code: the answer must be assert-based test code or a JSON object with 'inputs' and "
+                         "'outputs' (and 'fn_name' for function-call cases)")
+    if len(answer["inputs"]) != len(answer["outputs"]) or not answer["inputs"]:
+        raise ValueError("reward code: 'inputs' and 'outputs' must be non-empty lists of the same length")
+    return answer
+
+
+# ------------------------------------------------------------------------------------ plain data across the boundary
+
+# Runs in the sandbox after the solution: evaluates each expression and prints the values, encoded by exact type
+# (subclasses and other objects are refused), as one JSON line. Values only: whatever this prints is compared here
+# with results the sandbox never sees, so tampering with it gains nothing.
+_HARNESS = r'''
+import json, sys
+def encode(v):
+    t = type(v)
+    if v is None or t in (bool, int, str):
+        return v
+    if t is float:
+        return {"f": repr(v)}
+    if t is list:
+        return [encode(x) for x in v]
+    if t is tuple:
+        return {"t": [encode(x) for x in v]}
+    if t in (set, frozenset):
+        return {"s": [encode(x) for x in v]}
+    if t is dict:
+        return {"d": [[encode(k), encode(x)] for k, x in v.items()]}
+    if t is bytes:
+        return {"b": v.hex()}
+    raise TypeError("a %s is not plain data (None, bool, int, float, str, bytes, list, tuple, set, dict)" % t.__name__)
+stdout, sys.stdout = sys.stdout, sys.stderr  # the solution's own prints go to stderr
+namespace = {"__name__": "__main__", "__file__": SOLUTION, "__builtins__": __builtins__, "json": json}
+exec(compile(open(SOLUTION, encoding="utf-8").read(), SOLUTION, "exec"), namespace)
+exec(compile(SETUP, "tests.py", "exec"), namespace)
+results = []
+for expr in EXPRS:
+    try:
+        results.append({"v": encode(eval(expr, namespace))})
+    except BaseException as e:
+        results.append({"e": ("%s: %s" % (type(e).__name__, e))[:300]})
+stdout.write("\n" + json.dumps({"results": results}) + "\n")
+stdout.flush()
+'''
+
+
+def _decode(v):
+    if isinstance(v, list):
+        return [_decode(x) for x in v]
+    if isinstance(v, dict):
+        (tag, x), = v.items()
+        return {"f": lambda: float(x), "t": lambda: tuple(map(_decode, x)), "s": lambda: set(map(_decode, x)),
+                "d": lambda: {_decode(k): _decode(y) for k, y in x}, "b": lambda: bytes.fromhex(x)}[tag]()
+    if v is None or type(v) in (bool, int, str):
+        return v
+    raise ValueError(f"not an encoded value: {v!r}")
+
+
+def _as_json(v):
+    """Tuples as lists (function-call cases: expected values come from JSON)."""
+    if isinstance(v, (list, tuple)):
+        return [_as_json(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _as_json(x) for k, x in v.items()}
+    return v
+
+
+def _show(v) -> str:
+    text = repr(v)
+    return text if len(text) <= _SHOW else text[:_SHOW] + "..."
+
+
+def _evaluate(solution: str, setup: str, exprs: list[str], limits: SandboxLimits) -> list:
+    """Run the solution and evaluate `exprs` after it in the sandbox; the decoded values (or raises
+    CodeRewardFailure)."""
+    harness = f"SOLUTION = {_SOLUTION!r}\nSETUP = {setup!r}\nEXPRS = {exprs!r}\n{_HARNESS}"
+    result = run_python(harness, limits=limits, files={_SOLUTION: solution})
+    if not result.ok:
+        raise CodeRewardFailure(result.reason)
+    lines = result.stdout.rstrip("\n").rsplit("\n", 1)
+    try:
+        results = json.loads(lines[-1])["results"]
+        if not isinstance(results, list) or len(results) != len(exprs):
+            raise ValueError("wrong number of results")
+        values = []
+        for i, r in enumerate(results):
+            if "e" in r:
+                raise CodeRewardFailure(f"test {i + 1} of {len(exprs)} `{exprs[i][:80]}` raised {str(r['e'])[:300]}")
+            values.append(_decode(r["v"]))
+    except CodeRewardFailure:
+        raise
+    except Exception as e:  # anything the solution could have made the harness print
+        raise CodeRewardFailure(f"the test harness produced no readable results ({type(e).__name__})") from None
+    return values
+
+
+def _passes(check: Check, value) -> bool:
+    if check.kind == "eq":
+        return value == check.expected
+    if check.kind == "true":
+        return bool(value)
+    if check.kind == "false":
+        return not value
+    return (type(value) in (int, float) and type(check.expected) in (int, float)
+            and math.isclose(value, check.expected, **check.options))
+
+
+# ------------------------------------------------------------------------------------------------------- judging
+
+
+def _judge_asserts(solution: str, tests: str, limits: SandboxLimits) -> None:
+    setup, checks = parse_tests(tests)
+    values = _evaluate(solution, setup, [c.expr for c in checks], limits)
+    for i, (check, value) in enumerate(zip(checks, values)):
+        if not _passes(check, value):
+            want = {"eq": f"== {_show(check.expected)}", "true": "a true value", "false": "a false value",
+                    "close": f"close to {_show(check.expected)}"}[check.kind]
+            raise CodeRewardFailure(f"test {i + 1} of {len(checks)} (line {check.line}) `{check.expr[:80]}`: "
+                                    f"got {_show(value)}, expected {want}")
+
+
+def _judge_calls(solution: str, cases: dict, limits: SandboxLimits) -> None:
+    name = cases["fn_name"]
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"reward code: fn_name {name!r} must be a Python identifier")
+    if not all(isinstance(args, list) for args in cases["inputs"]):
+        raise ValueError("reward code: with fn_name, each of 'inputs' must be the list of the call's arguments")
+    exprs = [f"{name}(*json.loads({json.dumps(args)!r}))" for args in cases["inputs"]]
+    values = _evaluate(solution, "", exprs, limits)
+    for i, (value, want) in enumerate(zip(values, cases["outputs"])):
+        if _as_json(value) != want:
+            raise CodeRewardFailure(f"case {i + 1} of {len(values)}: {name} returned {_show(value)}, expected "
+                                    f"{_show(want)}")
+
+
+def _normalise_output(text: str) -> list[str]:
+    lines = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def _judge_stdio(solution: str, cases: dict, limits: SandboxLimits) -> None:
+    n = len(cases["inputs"])
+    for i, (stdin, want) in enumerate(zip(cases["inputs"], cases["outputs"])):
+        result = run_python(solution, stdin=str(stdin), limits=limits)
+        if not result.ok:
+            raise CodeRewardFailure(f"case {i + 1} of {n}: {result.reason}")
+        if _normalise_output(result.stdout) != _normalise_output(str(want)):
+            raise CodeRewardFailure(f"case {i + 1} of {n}: wrong output {_show(result.stdout)}, expected "
+                                    f"{_show(str(want))}")
 
 
 @register_reward("code")
-def code_reward(response: str, answer: str | None, **kwargs) -> float:
-    """1.0 when the response's code passes the test code in `answer`; otherwise raises CodeRewardFailure."""
+def code_reward(response: str, answer, **kwargs) -> float:
+    """1.0 when the response's code passes every check of `answer` (judged here, outside the sandbox); otherwise
+    raises CodeRewardFailure."""
     if answer is None:
-        raise ValueError("reward code needs test code as the answer for every prompt (data.answer_key)")
+        raise ValueError("reward code needs tests as the answer for every prompt (data.answer_key)")
     limits = limits_from(kwargs)
-    token = f"megarl-tests-done-{secrets.token_hex(8)}"
-    result = run_python(program(extract_code(response), answer, token), limits=limits)
-    if not result.ok:
-        raise CodeRewardFailure(result.reason)
-    if token not in result.stdout:
-        raise CodeRewardFailure("exited with status 0 before the tests finished (the code ended the process early)")
+    solution = extract_code(response)
+    cases = parse_cases(answer)
+    if cases is None:
+        _judge_asserts(solution, answer, limits)
+    elif "fn_name" in cases:
+        _judge_calls(solution, cases, limits)
+    else:
+        _judge_stdio(solution, cases, limits)
     return 1.0
 
 

@@ -13,20 +13,39 @@ register_reward = registrar(REWARDS)
 _NUMBER = re.compile(r"^[-+]?\d+(\.\d+)?$")
 
 
-def _normalise(text: str) -> str:
-    return " ".join(text.strip().rstrip(".").split()).lower()
+def normalise_answer(text: str | None) -> str | None:
+    """Canonical form of a final answer for voting, or None when there is none.
+
+    Strips surrounding whitespace and trailing periods, collapses inner whitespace, lowercases; a plain decimal
+    number is written by value ("042" -> "42", "4.0" -> "4", "-0.50" -> "-0.5", "+3" -> "3"). Empty -> None.
+    """
+    if text is None:
+        return None
+    s = " ".join(text.strip().rstrip(".").split()).lower()
+    if not s:
+        return None
+    if _NUMBER.match(s):
+        s = _canonical_number(s)
+    return s
+
+
+def _canonical_number(s: str) -> str:
+    """A decimal literal written by value, exactly (no float rounding): "-007.50" -> "-7.5", "-0.0" -> "0"."""
+    sign = "-" if s[0] == "-" else ""
+    whole, _, frac = s.lstrip("+-").partition(".")
+    whole, frac = whole.lstrip("0") or "0", frac.rstrip("0")
+    if whole == "0" and not frac:
+        return "0"
+    return sign + whole + ("." + frac if frac else "")
 
 
 @register_reward("exact_match")
 def exact_match(response: str, answer: str | None, **_) -> float:
-    """1.0 when the response equals the answer after trimming whitespace, a final period and case; numbers compare by
-    value ("042" == "42")."""
+    """1.0 when the response equals the answer after `normalise_answer` (whitespace, a final period and case; numbers
+    by value: "042" == "42", "4.0" == "4"), the normaliser majority voting uses too."""
     if answer is None:
         raise ValueError("reward exact_match needs an answer for every prompt (data.answer_key)")
-    got, want = _normalise(response), _normalise(str(answer))
-    if _NUMBER.match(got) and _NUMBER.match(want):
-        return float(float(got) == float(want))
-    return float(got == want)
+    return float(normalise_answer(response) == normalise_answer(str(answer)))
 
 
 @register_reward("math")

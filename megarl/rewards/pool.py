@@ -2,14 +2,18 @@
 are computed while the rest of the batch is still generating; the training ranks only wait for what is not done yet.
 
 A reward function that raises or runs past reward.timeout_s scores 0.0 for that response, with the reason logged and
-counted (metric reward/errors) — one bad sample never stops a run. The exception is SandboxUnavailable (a reward that
-executes code and cannot isolate it): that stops the run at start-up, never scores unisolated.
+counted (metric reward/errors) — one bad sample never stops a run. Each response is scored in a process forked from
+the worker for it, so a reward that hangs (even in C code, or with signals blocked) is killed at its timeout and the
+next response gets a fresh process: a thread or `future.cancel()` could not stop it. The exception is
+SandboxUnavailable (a reward that executes code and cannot isolate it): that stops the run, never scores unisolated.
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing
 from concurrent.futures import Future, ProcessPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
+from typing import Callable
 
 from .functions import resolve_reward
 from ..sandbox import SandboxUnavailable, check_sandbox
@@ -17,39 +21,76 @@ from ..sandbox import SandboxUnavailable, check_sandbox
 logger = logging.getLogger(__name__)
 
 
-def _score(name: str, kwargs: dict, items: list[tuple[str, str | None]]) -> list[tuple[float, str | None]]:
+def _score_one(fn: Callable, response: str, answer, kwargs: dict, conn) -> None:
+    try:
+        conn.send((float(fn(response, answer, **kwargs)), None, False))
+    except SandboxUnavailable as e:
+        conn.send((0.0, str(e), True))
+    except BaseException as e:  # a user reward function may raise anything; the sample scores 0
+        conn.send((0.0, f"{type(e).__name__}: {e}", False))
+
+
+def _score_killable(fn: Callable, response: str, answer, kwargs: dict, timeout_s: float) -> tuple[float, str | None]:
+    """Score one response in a forked child; SIGKILL it at the timeout (its sandbox, if any, dies with it)."""
+    ctx = multiprocessing.get_context("fork")  # the worker is single-threaded, so fork is safe and cheap
+    recv, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_score_one, args=(fn, response, answer, kwargs, send))
+    child.start()
+    send.close()
+    try:
+        if recv.poll(timeout_s):
+            score, error, unavailable = recv.recv()
+            if unavailable:
+                raise SandboxUnavailable(error)  # no isolation is an infrastructure failure: stop the run
+            return score, error
+        return 0.0, f"timed out (> {timeout_s:g} s per response); the reward process was killed"
+    except EOFError:
+        return 0.0, f"the reward process died (exit code {child.exitcode})"
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()
+        recv.close()
+
+
+def _score(name: str, kwargs: dict, items: list[tuple[str, str | None]], timeout_s: float = 10.0
+           ) -> list[tuple[float, str | None]]:
     fn = resolve_reward(name)
-    out = []
-    for response, answer in items:
-        try:
-            out.append((float(fn(response, answer, **kwargs)), None))
-        except SandboxUnavailable:
-            raise  # no isolation is an infrastructure failure: stop the run, never score (or run) unisolated
-        except Exception as e:  # a user reward function may raise anything; the sample scores 0
-            out.append((0.0, f"{type(e).__name__}: {e}"))
-    return out
+    return [_score_killable(fn, response, answer, kwargs, timeout_s) for response, answer in items]
 
 
 class RewardPool:
     def __init__(self, name: str, workers: int = 2, timeout_s: float = 10.0, kwargs: dict | None = None):
         fn = resolve_reward(name)  # fail at start-up, not inside a worker
-        self.name, self.kwargs, self.timeout_s = name, dict(kwargs or {}), timeout_s
-        # forkserver: workers never inherit the trainer's threads or process groups
-        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("forkserver"))
+        self.name, self.kwargs, self.timeout_s, self.workers = name, dict(kwargs or {}), timeout_s, workers
+        self.pool = self._new_pool()
         self.errors: list[str] = []
         if getattr(fn, "requires_sandbox", False):  # code execution: prove isolation works here, in a worker
             self.pool.submit(check_sandbox).result()
 
+    def _new_pool(self) -> ProcessPoolExecutor:
+        # forkserver: workers never inherit the trainer's threads or process groups
+        return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("forkserver"))
+
+    def _replace_workers(self) -> None:
+        """Kill every worker and start fresh ones. ProcessPoolExecutor has no public way to kill its workers, hence
+        its `_processes`; used only when a worker itself stopped answering (the per-response kill failed)."""
+        for process in list((getattr(self.pool, "_processes", None) or {}).values()):
+            process.kill()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool = self._new_pool()
+
     def submit(self, items: list[tuple[str, str | None]]) -> Future:
-        return self.pool.submit(_score, self.name, self.kwargs, items)
+        return self.pool.submit(_score, self.name, self.kwargs, items, self.timeout_s)
 
     def result(self, future: Future, n: int) -> list[float]:
+        # each response has its own killable timeout in the worker; this wait is only the backstop behind it
         try:
-            scored = future.result(timeout=self.timeout_s * max(n, 1))
-        except FutureTimeout:
-            future.cancel()
-            reason = f"reward {self.name} timed out (> {self.timeout_s} s per response)"
+            scored = future.result(timeout=(self.timeout_s + 5) * max(n, 1) + 30)
+        except (FutureTimeout, BrokenProcessPool) as e:
+            reason = (f"reward {self.name}: the worker stopped answering ({type(e).__name__}); workers replaced")
             logger.warning(reason)
+            self._replace_workers()
             self.errors += [reason] * n
             return [0.0] * n
         for _, error in scored:

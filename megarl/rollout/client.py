@@ -134,12 +134,16 @@ class EngineClient:
     def end_weight_update(self):
         return self.call("/end_weight_update", {})
 
-    def weight_checksums(self) -> dict[str, str]:
-        """SGLang's per-tensor checksums (its own parameter names), from /weights_checker."""
+    def weight_checksums(self) -> dict[int, dict[str, str]]:
+        """SGLang's per-tensor checksums from /weights_checker, per engine TP rank (each rank hashes its own shard of
+        each tensor, under SGLang's own parameter names): {tp_rank: {name: checksum}}."""
         body = self.call("/weights_checker", {"action": "checksum"})
-        checksums: dict[str, str] = {}
-        for rank_info in body.get("ranks") or []:  # one entry per engine TP rank (its own shard of each tensor)
-            checksums.update(rank_info.get("checksums") or {})
+        checksums: dict[int, dict[str, str]] = {}
+        for rank_info in body.get("ranks") or []:
+            info = rank_info.get("parallelism_info") or {}
+            info = info[0] if isinstance(info, list) else info  # 0.5.23 sends it as a one-element list
+            if info.get("role", "target") == "target" and info.get("dp_rank", 0) == 0:  # pipeline stages: merged
+                checksums.setdefault(int(info.get("tp_rank", 0)), {}).update(rank_info.get("checksums") or {})
         return checksums
 
     def release_memory(self):

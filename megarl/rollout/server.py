@@ -1,10 +1,20 @@
-"""An SGLang server as a child process: start (CPU or GPU settings), wait for /health, stop the whole process group.
+"""An SGLang server as a child process: start (CPU or GPU settings), wait for /health, warm up, stop the whole process
+group.
 
 On CPU the server runs SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1, torch_native attention, no CUDA graphs) with the
 two stand-in modules in megarl/platform/sglang_cpu on its PYTHONPATH; on a GPU it runs with SGLang's defaults.
+
+`server_command` is the one place the `sglang.launch_server` command line is built (trainer-started engines, the
+Slurm engine nodes and the `--dry-run` plan all go through it; `engine_server_config` maps the run config onto it).
+
+Start-up on a loaded machine: SGLang's own warm-up request has a fixed 10 s read timeout and the server exits when it
+runs out (sglang/srt/entrypoints/http_server.py, _execute_server_warmup), so megarl passes --skip-server-warmup and
+warms the engine itself (one 1-token generation, bounded by the start-up timeout). A start-up that times out is
+retried `startup_retries` times; a deterministic failure (a bad model path, a bad flag) is reported at once.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -15,16 +25,30 @@ from dataclasses import dataclass, field
 import requests
 
 from .. import platform
+from ..errors import UserError
 from ..parallel.env import free_port
 
+logger = logging.getLogger(__name__)
 CPU_STANDINS = os.path.join(os.path.dirname(platform.__file__), "sglang_cpu")
 _FATAL_MARKERS = ("Received sigquit from a child process",)
 _TRAINER_ENV = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                 "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"}
 
 
-class EngineError(RuntimeError):
+class EngineError(UserError, RuntimeError):
     """The rollout engine failed; the message quotes what the engine said."""
+
+
+class _StartupTimeout(EngineError):
+    """Start-up ran out of time (retried by SGLangServer.start)."""
+
+
+# What SGLang's log says when one of its own start-up steps ran out of time (not a deterministic failure)
+_TIMEOUT_MARKERS = ("warmup error", "ReadTimeout", "TimeoutError", "timed out")
+
+
+def _mentions_timeout(log: str) -> bool:
+    return any(marker in log for marker in _TIMEOUT_MARKERS)
 
 
 @dataclass
@@ -38,18 +62,23 @@ class ServerConfig:
     mem_fraction_static: float | None = None
     random_seed: int = 0
     seeded_sampling: bool = False  # honour per-request sampling_seed (exact rollouts on resume)
-    startup_timeout_s: float = 300.0
+    startup_timeout_s: float = 300.0  # per attempt: process start, /health and megarl's own warm-up generation
+    startup_retries: int = 1  # further attempts after a start-up that timed out (a loaded machine)
+    base_gpu_id: int | None = None  # GPU: the first GPU of this server (several servers on one node)
     log_dir: str = "runs/engine"
     extra_args: list[str] = field(default_factory=list)
 
 
-def server_command(cfg: ServerConfig, port: int) -> tuple[list[str], dict]:
-    """The `python -m sglang.launch_server` command line and environment for this device."""
-    on_gpu = platform.on_gpu()
+def server_command(cfg: ServerConfig, port: int | str, on_gpu: bool | None = None) -> tuple[list[str], dict]:
+    """The `python -m sglang.launch_server` command line and environment for this device (on_gpu: plan for a GPU or
+    CPU device instead of the one this process runs on; port may be a placeholder when only printed)."""
+    on_gpu = platform.on_gpu() if on_gpu is None else on_gpu
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path, "--host", cfg.host,
-           "--port", str(port), "--tp-size", str(cfg.tp_size), "--random-seed", str(cfg.random_seed),
-           "--dtype", cfg.dtype or ("bfloat16" if on_gpu else "float32"), "--log-level", "warning",
-           "--skip-server-warmup"]
+           "--port", str(port), "--tp-size", str(cfg.tp_size)]
+    if cfg.base_gpu_id is not None and on_gpu:
+        cmd += ["--base-gpu-id", str(cfg.base_gpu_id)]
+    cmd += ["--random-seed", str(cfg.random_seed), "--dtype", cfg.dtype or ("bfloat16" if on_gpu else "float32"),
+            "--log-level", "warning", "--skip-server-warmup"]  # SGLang's warm-up: see the module docstring
     if cfg.max_total_tokens:
         cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
     if cfg.mem_fraction_static:
@@ -66,11 +95,40 @@ def server_command(cfg: ServerConfig, port: int) -> tuple[list[str], dict]:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (CPU_STANDINS, env.get("PYTHONPATH")) if p)
         env.setdefault("OMP_NUM_THREADS", "1")
+        if cfg.tp_size > 1:
+            # SGLang's CPU engine binds each TP rank to one NUMA node unless told which cores to use, and refuses
+            # more ranks than NUMA nodes (sglang/srt/utils/numa_utils.py, init_threads_binding).
+            env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_threads_bind(cfg.tp_size))
         if cfg.seeded_sampling:  # see sglang_cpu/sitecustomize.py
             env["MEGARL_SGLANG_SEEDED_SAMPLING"] = "1"
     elif cfg.seeded_sampling:
         cmd += ["--enable-deterministic-inference"]
-    return cmd + list(cfg.extra_args), env
+    return cmd + [str(a) for a in cfg.extra_args], env
+
+
+def cpu_threads_bind(ranks: int, cores: list[int] | None = None) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `ranks` CPU engine ranks: this process's cores split into `ranks` groups
+    ("0|1", "0,1|2,3"); with fewer cores than ranks, ranks share cores."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
+    if len(cores) < ranks:
+        return "|".join(str(cores[i % len(cores)]) for i in range(ranks))
+    per = len(cores) // ranks
+    return "|".join(",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(ranks))
+
+
+def engine_server_config(cfg, model_path: str, index: int = 0, host: str = "127.0.0.1", port: int | None = None,
+                         log_dir: str | None = None, base_gpu_id: int | None = None) -> ServerConfig:
+    """The ServerConfig of engine `index` of a run (a megarl TrainConfig): rollout.engine's fields, the run seed,
+    deterministic sampling and the MoE routing option. base_gpu_id: several engines on one GPU node."""
+    e, r = cfg.rollout.engine, cfg.rollout
+    routing = getattr(r, "return_routed_experts", False) or getattr(r, "routing_replay", False)
+    return ServerConfig(
+        model_path=model_path, host=host, port=port, dtype=getattr(e, "dtype", None), tp_size=e.tp_size,
+        max_total_tokens=e.max_total_tokens, mem_fraction_static=e.mem_fraction_static,
+        random_seed=cfg.seed + index, seeded_sampling=r.deterministic, startup_timeout_s=e.startup_timeout_s,
+        startup_retries=getattr(e, "startup_retries", 1), base_gpu_id=base_gpu_id,
+        log_dir=log_dir or os.path.join(cfg.run_dir, "engine"),
+        extra_args=list(e.extra_args) + (["--enable-return-routed-experts"] if routing else []))
 
 
 def _die_with_parent() -> None:
@@ -93,26 +151,43 @@ class SGLangServer:
         self.restarts = 0
 
     def start(self) -> "SGLangServer":
-        cmd, env = server_command(self.cfg, self.port)
-        with open(self.log_path, "ab") as log:
-            log.write(f"\n$ {' '.join(cmd)}\n".encode())
-            # Own process group (stop() ends all of it), and on Linux the server dies with the trainer process that
-            # started it, even after a SIGKILL of the trainer (SGLang's own children follow their parent).
-            self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True, preexec_fn=_die_with_parent)
-        self.wait_healthy()
-        return self
+        """Start the server and wait until it generates; a start-up that timed out is retried (cfg.startup_retries
+        more times), any other failure raises EngineError at once."""
+        for attempt in range(self.cfg.startup_retries + 1):
+            cmd, env = server_command(self.cfg, self.port)
+            with open(self.log_path, "ab") as log:
+                log.write(f"\n$ {' '.join(cmd)}\n".encode())
+                # Own process group (stop() ends all of it), and on Linux the server dies with the trainer process
+                # that started it, even after a SIGKILL of the trainer (SGLang's own children follow their parent).
+                self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                start_new_session=True, preexec_fn=_die_with_parent)
+            try:
+                self.wait_healthy()
+                return self
+            except _StartupTimeout as e:
+                self.stop()
+                if attempt == self.cfg.startup_retries:
+                    raise EngineError(f"{e} (attempt {attempt + 1} of {self.cfg.startup_retries + 1}; raise "
+                                      "rollout.engine.startup_timeout_s or rollout.engine.startup_retries on a "
+                                      "loaded machine)") from None
+                logger.warning("SGLang server start-up timed out (attempt %d of %d), starting it again: %s",
+                               attempt + 1, self.cfg.startup_retries + 1, str(e).splitlines()[0])
+        raise AssertionError("unreachable")
 
     def wait_healthy(self) -> None:
+        """Wait for /health, then warm up with one 1-token generation, all within cfg.startup_timeout_s. Raises
+        _StartupTimeout (an EngineError) when that time runs out, EngineError when the server failed."""
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise EngineError(f"SGLang server exited with code {self.process.returncode} during start-up "
-                                  f"(model {self.cfg.model_path!r}). Its log ({self.log_path}) ends with:\n"
-                                  f"{self.log_tail(lines=40)}")
+                message = (f"SGLang server exited with code {self.process.returncode} during start-up (model "
+                           f"{self.cfg.model_path!r}). Its log ({self.log_path}) ends with:\n"
+                           f"{self.log_tail(lines=40)}")
+                # SGLang exits by itself when one of its own start-up requests times out on a loaded machine
+                raise (_StartupTimeout if _mentions_timeout(self.log_tail(lines=40)) else EngineError)(message)
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
+                    break
             except requests.RequestException:
                 pass
             if any(marker in self.log_tail(lines=10) for marker in _FATAL_MARKERS):
@@ -122,9 +197,28 @@ class SGLangServer:
                 raise EngineError(f"SGLang server failed during start-up (model {self.cfg.model_path!r}). Its log "
                                   f"({self.log_path}) ends with:\n{tail}")
             time.sleep(0.5)
-        self.stop()
-        raise EngineError(f"SGLang server not healthy after {self.cfg.startup_timeout_s:.0f}s. Log tail:\n"
-                          f"{self.log_tail()}")
+        else:
+            raise _StartupTimeout(f"SGLang server not healthy after {self.cfg.startup_timeout_s:.0f}s. Log tail:\n"
+                                  f"{self.log_tail()}")
+        self._warm_up(deadline)
+
+    def _warm_up(self, deadline: float) -> None:
+        """megarl's own warm-up (SGLang's is skipped): one greedy 1-token generation, allowed whatever is left of the
+        start-up timeout, so the first real request does not pay the engine's lazy initialisation."""
+        try:
+            response = requests.post(self.url + "/generate", json={
+                "input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}},
+                timeout=max(deadline - time.monotonic(), 1.0))
+        except requests.Timeout:
+            raise _StartupTimeout(f"SGLang server's warm-up generation did not finish within "
+                                  f"{self.cfg.startup_timeout_s:.0f}s of its start. Log tail:\n{self.log_tail()}")
+        except requests.RequestException as e:
+            raise (_StartupTimeout if self.alive() else EngineError)(
+                f"SGLang server's warm-up generation failed ({type(e).__name__}: {e}). Log tail:\n"
+                f"{self.log_tail()}") from None
+        if response.status_code != 200:
+            raise EngineError(f"SGLang server's warm-up generation failed (HTTP {response.status_code}): "
+                              f"{response.text[:2000]}")
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

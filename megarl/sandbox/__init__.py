@@ -1,130 +1,107 @@
-"""Run untrusted Python (model-written code) in a throw-away sandbox: one process tree per execution, no network, hard
-resource limits, everything killed and deleted afterwards.
+"""Run untrusted Python (model-written code) in a throw-away sandbox built with bubblewrap: one process tree per
+execution in its own namespaces, a minimal read-only root, per-execution limits, everything killed and gone after.
 
-Isolation used, and why. There is no seccomp filter (nothing to install one with from the standard library, and no
-container runtime is assumed), so the sandbox is built from Linux namespaces, rlimits and an unprivileged uid, using
-util-linux tools only:
+What one execution sees and may do (each line is checked by an adversarial test in tests/test_sandbox.py):
 
-    setpriv --pdeathsig=KILL -- unshare --net --pid --mount-proc --fork --kill-child [--user --map-root-user] -- \\
-        sh -c SETUP ... -- setpriv [--reuid=65534 --regid=65534 --clear-groups] --no-new-privs --bounding-set=-all \\
-        --inh-caps=-all --pdeathsig=KILL -- prlimit --cpu --as --fsize --nproc --core=0 -- \\
-        env -i PATH LANG HOME TMPDIR LD_LIBRARY_PATH  <python> -I -S -c SHIM <status fd> main.py
+- files: a root of its own. Read-only: /usr (system libraries and tools), the /bin, /lib... links, and the trainer's
+  Python installation at /python (run with -I -S: the standard library only, no site-packages). Read-write: its
+  working directory /work (also HOME) and private /tmp and /dev/shm, three tmpfs of SandboxLimits.disk_mb each that
+  vanish with the execution (nothing carries over to the next one, nothing is left on the host, there is nothing to
+  clean up). Also a fresh /proc of its own pid namespace and bwrap's minimal /dev. No other host path exists inside:
+  not the project tree, not /etc, /root, the host's /tmp or /dev/shm, nor the host's Unix sockets;
+- namespaces: new network (only a loopback that is down: nothing, not even the host's 127.0.0.1, is reachable), PID,
+  mount, IPC (host System V shared memory and semaphores are invisible), UTS and user namespaces; creating further
+  user namespaces inside is disabled (bwrap --disable-userns), no capabilities, no_new_privs;
+- identity: as root, every execution runs as a uid of its own (megarl.sandbox.isolation.UidSlot, taken from a range
+  no account uses), so the per-uid process limit and file ownership are per execution; not root, as the trainer's uid
+  inside a user namespace that maps only that uid;
+- limits, per execution (megarl.sandbox.cgroups): with a writable cgroup hierarchy (v2, or v1 as on this project's CI
+  machines) one memory budget (memory_mb, swap included) and one process budget (processes) for all its processes
+  together, and its total CPU time is checked every 0.1 s (cpu_s); always rlimits per process (RLIMIT_CPU cpu_s,
+  RLIMIT_AS memory_mb, RLIMIT_FSIZE file_mb, RLIMIT_NPROC, no core files) and a wall-clock limit (wall_s) on the
+  whole. Without a usable cgroup (the fallback: `describe()["cgroup"]` is None) the per-execution uid still makes
+  RLIMIT_NPROC per execution, but memory is bounded per process only (processes x memory_mb in total) and CPU time
+  per process only;
+- supervision: the execution's pid 1 is bwrap's init, which the kernel shields from every signal sent from inside
+  its pid namespace (SIGINT and SIGKILL included); the code is pid 2. How the code ended is bwrap's exit status, read
+  by the trainer from the outermost bwrap, which lives in the host's pid namespace where the code cannot reach it.
+  When the code's first process ends, the init ends and the kernel kills everything else in the namespace; killing
+  the outermost bwrap (wall-clock limit, or the trainer dying) does the same.
 
-- network namespace: no interfaces but a loopback that is down, so nothing (not even 127.0.0.1 of the host) is
-  reachable;
-- pid namespace + its own /proc: the code sees only its own processes (not the trainer's command lines or
-  /proc/<pid>/environ), and killing the namespace's first process (a small supervisor, the SHIM, which runs the
-  code as its child) makes the kernel kill every descendant, so fork bombs and daemonised children cannot outlive
-  a run;
-- mount namespace: only to mount that /proc and to bind the interpreter's installation read-only at a path the
-  sandbox uid can reach (the trainer's Python may live under /root, mode 0700);
-- rlimits (CPU seconds, address space, file size, processes, no core files), set by prlimit right before exec;
-- as root the code runs as uid/gid 65534 (nobody) with no groups, no capabilities and no_new_privs (root ignores
-  RLIMIT_NPROC, and could undo everything else); not root, an unprivileged user namespace maps the caller to root
-  inside it, and all capabilities are dropped from the bounding set before the code runs;
-- a fresh working directory (also HOME and TMPDIR) that is deleted afterwards, and an environment with only PATH and
-  LANG of the trainer's variables.
+Fail closed: before the code runs, its first lines (the PREAMBLE) check that all six namespaces differ from the trainer's and that it holds
+no capabilities, then reports "started". A run without that report raises SandboxUnavailable naming what failed and
+the fix (e.g. bubblewrap missing: `apt-get install -y bubblewrap`, which launchers/install.sh does as root); the code
+is never run unisolated.
 
-Before the code runs, SETUP checks that the network, pid and mount namespaces really differ from the trainer's, and
-the SHIM reports "started" on a private pipe. A run that fails without that report is an isolation failure and raises
-SandboxUnavailable: the code is never run unisolated.
-
-Not protected against (know these before relying on it):
-- reading anything world-readable on the host filesystem (source trees, /etc, world-readable data), and writing
-  world-writable places outside the working directory (/tmp, /dev/shm), which persist after the run; without root the
-  code runs as the trainer's own user and can read and write everything the trainer can;
-- disk filling: RLIMIT_FSIZE caps each file, not their number, and there is no quota;
-- total memory: RLIMIT_AS is per process, so a run may use up to processes x memory_mb (no cgroup limit);
-- RLIMIT_NPROC counts per uid: as root, concurrent sandboxes share uid 65534 and so share one process budget;
-- kernel exploits (no seccomp), CPU side channels, and scoring tricks inside the same interpreter (code that ends
-  the process early with exit status 0; see megarl.rewards.code for the completion check).
+Not protected against: kernel exploits through the syscalls that remain (there is no seccomp filter), CPU and cache
+side channels, and whatever the trainer's user can read in /usr and the Python installation (both read-only).
+Scoring is not this module's business: megarl.rewards.code judges outside the sandboxed process.
 """
 from __future__ import annotations
 
-import math
 import os
-import platform
 import re
-import secrets
 import selectors
-import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 
-UNSHARE = "unshare"  # the isolation tool; tests point this at failing programs to check we fail closed
-SANDBOX_UID = 65534  # nobody: the uid the code runs as when the trainer is root
+from . import cgroups, isolation
+from .isolation import FIX, SandboxUnavailable, UidSlot
 
-_FIX = ("Fix: run the trainer as root, or enable unprivileged user namespaces (sysctl -w "
-        "kernel.unprivileged_userns_clone=1 on Debian/Ubuntu kernels, and sysctl -w user.max_user_namespaces=15000); "
-        "install util-linux (unshare, setpriv, prlimit, mount); inside a container the runtime must allow "
-        "unshare(2) and mount(2) (Docker's default seccomp/AppArmor profiles block them).")
+__all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailable", "check_sandbox", "describe", "run_python"]
 
-# Runs as root (or mapped root) inside the new namespaces, before privileges are dropped. $1-$3: the trainer's
-# net/pid/mnt namespaces (a wrapper that did not isolate must not get further), $4: the Python installation, $5: where
-# to bind it read-only; the rest is the command to exec.
-_SETUP = r'''
-fail() { echo "megarl sandbox: $*" >&2; exit 125; }
-[ "$(readlink /proc/self/ns/net)" != "$1" ] || fail "no new network namespace was created"
-[ "$(readlink /proc/self/ns/pid)" != "$2" ] || fail "no new pid namespace was created"
-[ "$(readlink /proc/self/ns/mnt)" != "$3" ] || fail "no new mount namespace was created"
-mount --bind -o ro,nosuid,nodev "$4" "$5" || fail "cannot bind-mount the Python installation $4 read-only"
-shift 5
-exec "$@"
-'''
-
-# Pid 1 of the sandbox: forks the code and reports how it ended on a pipe the code cannot reach (closed in the child;
-# PR_SET_DUMPABLE 0 keeps same-uid code out of /proc/1/fd). Pid 1 ignores default-action signals sent from inside its
-# namespace, so the code runs as its child to get normal signal semantics (SIGXCPU, self-kill). It also reaps
-# orphans, which would otherwise count against RLIMIT_NPROC as zombies.
-_SHIM = r'''
-import ctypes, os, sys
-status_fd, path = int(sys.argv[1]), sys.argv[2]
-libc = ctypes.CDLL(None, use_errno=True)
-if libc.prctl(4, 0, 0, 0, 0) != 0:
-    os.write(status_fd, b"prctl(PR_SET_DUMPABLE, 0) failed\n")
-    sys.exit(125)
+# Runs inside the sandbox as the code's first lines, in the code's own process (pid 2; bwrap's init is pid 1): checks
+# the isolation, reports "started" on a pipe it then closes, and runs main.py. Nothing after that is trusted: how the
+# code ended comes from bwrap's exit status, which the code cannot reach (the outer bwrap lives in the host's pid
+# namespace). Kept free of imports beyond os/sys: every millisecond here is paid by every execution.
+_PREAMBLE = r'''
+import os, sys
+status_fd, path, host = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+def fail(why):
+    os.write(status_fd, ("isolation failed: " + why + "\n").encode())
+    os._exit(125)
+for ns, theirs in zip(("net", "pid", "mnt", "ipc", "uts", "user"), host):
+    if os.readlink("/proc/self/ns/" + ns) == theirs:
+        fail("no new %s namespace was created" % ns)
+with open("/proc/self/status") as f:
+    if any(int(line.split()[1], 16) for line in f if line.startswith(("CapEff", "CapPrm"))):
+        fail("the sandbox process still holds capabilities")
+try:
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")  # the kernel's OOM killer picks the code, never bwrap's init
+except OSError:
+    pass
 os.write(status_fd, b"started\n")
-child = os.fork()
-if child == 0:
-    os.close(status_fd)
-    libc.prctl(4, 1, 0, 0, 0)
-    sys.argv = [path]
-    sys.path.insert(0, os.getcwd())
-    with open(path, encoding="utf-8") as f:
-        code = compile(f.read(), path, "exec")
-    exec(code, {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__})
-else:
-    while True:
-        pid, status = os.wait()
-        if pid == child:
-            break
-    os.write(status_fd, b"exit %d\n" % os.waitstatus_to_exitcode(status))
+os.close(status_fd)
+sys.argv = [path]
+sys.path.insert(0, os.getcwd())
+with open(path, encoding="utf-8") as f:
+    code = compile(f.read(), path, "exec")
+del status_fd, host, fail, f, ns, theirs
+exec(code, {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__})
 '''
 
 _STARTED = "started"
 _SCRIPT = "main.py"
 _CHECKED: set[tuple] = set()
-
-
-class SandboxUnavailable(RuntimeError):
-    """The sandbox could not be set up; nothing was run."""
+_MB = 1024 * 1024
 
 
 @dataclass
 class SandboxLimits:
-    cpu_s: float = 5            # RLIMIT_CPU per process (SIGXCPU at cpu_s, SIGKILL one second later)
+    cpu_s: float = 5            # CPU seconds: RLIMIT_CPU per process, and the execution's total (with a cgroup)
     wall_s: float = 10          # wall clock for the whole run, start-up included
-    memory_mb: int = 1024       # RLIMIT_AS per process
+    memory_mb: int = 1024       # the execution's total (with a cgroup), and RLIMIT_AS per process
     file_mb: int = 16           # RLIMIT_FSIZE: largest file the code may write
-    processes: int = 32         # RLIMIT_NPROC: processes and threads the code may have at once
+    processes: int = 32         # processes and threads the code may have at once (cgroup pids.max and RLIMIT_NPROC)
+    disk_mb: int = 64           # size of each of the execution's tmpfs: /work, /tmp, /dev/shm
     output_bytes: int = 64 * 1024  # the last this many bytes of stdout and of stderr are kept
 
     def __post_init__(self):
-        for name in ("cpu_s", "wall_s", "memory_mb", "file_mb", "processes", "output_bytes"):
+        for name in ("cpu_s", "wall_s", "memory_mb", "file_mb", "processes", "disk_mb", "output_bytes"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"SandboxLimits.{name}={value!r}: must be a positive number")
@@ -140,153 +117,10 @@ class SandboxResult:
     wall_s: float
 
 
-# ---------------------------------------------------------------------------------------------------------- commands
-
-
-def _is_root() -> bool:
-    return os.geteuid() == 0
-
-
-def isolation_command() -> list[str]:
-    """The namespace wrapper. The outer setpriv makes unshare die with this thread, and --kill-child then takes the
-    sandbox with it, so a crashed trainer leaves nothing running."""
-    cmd = ["setpriv", "--pdeathsig=KILL", "--", UNSHARE, "--net", "--pid", "--mount-proc", "--fork", "--kill-child"]
-    if not _is_root():
-        cmd += ["--user", "--map-root-user"]  # unprivileged: the user namespace grants the rights to make the rest
-    return cmd + ["--"]
-
-
-def _drop_privileges() -> list[str]:
-    cmd = ["setpriv"]
-    if _is_root():
-        cmd += [f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups"]
-    # the user-namespace root would otherwise keep every capability in its namespaces (e.g. bring loopback up)
-    return cmd + ["--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--pdeathsig=KILL", "--"]
-
-
-def _rlimits(limits: SandboxLimits, nproc: int) -> list[str]:
-    cpu = math.ceil(limits.cpu_s)
-    mb = 1024 * 1024
-    return ["prlimit", f"--cpu={cpu}:{cpu + 1}", f"--as={int(limits.memory_mb * mb)}",
-            f"--fsize={int(limits.file_mb * mb)}",
-            f"--nproc={nproc}", "--core=0", "--"]
-
-
-def _interpreter() -> tuple[str, str]:
-    """(installation root to bind, interpreter path relative to it) for this process's own Python."""
-    prefix = os.path.realpath(sys.base_prefix)
-    exe = os.path.relpath(os.path.realpath(sys.executable), prefix)
-    if exe.startswith(os.pardir):
-        raise SandboxUnavailable(f"sys.executable={sys.executable!r} is not inside sys.base_prefix={prefix!r}, so "
-                                 "the sandbox cannot bind its installation; run the trainer with a standard Python "
-                                 "installation or virtual environment")
-    return prefix, exe
-
-
-def _host_namespaces() -> list[str]:
-    return [os.readlink(f"/proc/self/ns/{ns}") for ns in ("net", "pid", "mnt")]
-
-
-def _kernel_at_least(major: int, minor: int) -> bool:
-    try:
-        found = tuple(int(part) for part in platform.release().split("-")[0].split(".")[:2])
-    except ValueError:
-        return False
-    return found >= (major, minor)
-
-
-def _tasks_of(uid: int) -> int:
-    """Tasks (threads) whose real uid is `uid`: what RLIMIT_NPROC counts."""
-    n = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            continue  # exited meanwhile
-        if int(fields["Uid"].split()[0]) == uid:
-            n += int(fields.get("Threads", "1"))
-    return n
-
-
-def _nproc_limit(processes: int) -> int:
-    """RLIMIT_NPROC is a per-user count, so add the tasks that already count against it: as root, those of uid 65534
-    elsewhere on the host, plus the SHIM; in a user namespace (kernel >= 5.14 counts per namespace), unshare and the
-    SHIM; on older kernels the caller's whole process count as well."""
-    if _is_root():
-        return _tasks_of(SANDBOX_UID) + processes + 1
-    if _kernel_at_least(5, 14):
-        return processes + 2
-    return _tasks_of(os.getuid()) + processes + 2
-
-
-def _sandbox_argv(limits: SandboxLimits, root: str, workdir: str, status_fd: int) -> tuple[list[str], dict]:
-    prefix, exe = _interpreter()
-    python_mount = os.path.join(root, "python")
-    env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": os.environ.get("LANG", "C.UTF-8"), "HOME": workdir,
-           "TMPDIR": workdir, "LD_LIBRARY_PATH": os.path.join(python_mount, "lib")}  # a shared libpython's RUNPATH
-    argv = (isolation_command() + ["sh", "-c", _SETUP, "megarl-sandbox", *_host_namespaces(), prefix, python_mount]
-            + _drop_privileges() + _rlimits(limits, _nproc_limit(limits.processes))
-            + ["env", "-i", *(f"{k}={v}" for k, v in env.items()),
-               os.path.join(python_mount, exe), "-I", "-S", "-c", _SHIM, str(status_fd), _SCRIPT])
-    wrapper_env = {k: env[k] for k in ("PATH", "LANG")}
-    return argv, wrapper_env
-
-
-# ------------------------------------------------------------------------------------------------ working directory
-
-
-def _make_dirs(code: str, files: dict[str, str] | None) -> tuple[str, str]:
-    """root (0711, not listable) holding the mount point for Python and a randomly named working directory, so
-    concurrent sandboxes (same uid) cannot find each other's files."""
-    if _SCRIPT in (files or {}):
-        raise ValueError(f"files: {_SCRIPT!r} is reserved for the code itself; give the file another name")
-    root = tempfile.mkdtemp(prefix="megarl-sandbox-")
-    try:
-        os.chmod(root, 0o711)
-        os.mkdir(os.path.join(root, "python"), 0o755)
-        workdir = os.path.join(root, secrets.token_hex(8))
-        os.mkdir(workdir, 0o700)
-        for name, text in {**(files or {}), _SCRIPT: code}.items():
-            path = _inside(workdir, name)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-        if _is_root():
-            for dirpath, dirnames, filenames in os.walk(workdir):
-                for name in [dirpath] + [os.path.join(dirpath, n) for n in dirnames + filenames]:
-                    os.chown(name, SANDBOX_UID, SANDBOX_UID)
-    except BaseException:
-        _remove(root)
-        raise
-    return root, workdir
-
-
-def _inside(workdir: str, name: str) -> str:
-    path = os.path.normpath(os.path.join(workdir, name))
-    if os.path.isabs(name) or not path.startswith(workdir + os.sep):
-        raise ValueError(f"files: {name!r} must be a relative path inside the working directory")
-    return path
-
-
-def _remove(root: str) -> None:
-    """Delete the sandbox directory. The Python bind mount exists only inside the sandbox's mount namespace; if it
-    were visible here, rmtree would walk into (read-only) interpreter files, so refuse instead."""
-    mount = os.path.join(root, "python")
-    if os.path.ismount(mount):
-        raise SandboxUnavailable(f"the sandbox's bind mount {mount} is visible outside the sandbox; not deleting it. "
-                                 f"Unmount it (umount {mount}) and check that `{UNSHARE}` creates mount namespaces.")
-    if not _is_root():  # the code runs as our own user then, and may have left directories we cannot enter
-        _make_traversable(root)
-    shutil.rmtree(root)
-
-
-def _make_traversable(root: str) -> None:
-    for dirpath, dirnames, _ in os.walk(root):  # top-down: each directory is fixed before walk lists it
-        for name in dirnames:
-            path = os.path.join(dirpath, name)
-            if not os.path.islink(path):  # never follow a link the code planted out of the sandbox
-                os.chmod(path, 0o700)
+def describe() -> dict:
+    """How executions are isolated on this machine (for logs, the benchmark and the tests)."""
+    return {"tool": "bubblewrap", "cgroup": cgroups.available(),
+            "uid": "per execution" if isolation.is_root() else "the trainer's, in a user namespace"}
 
 
 # -------------------------------------------------------------------------------------------------- process control
@@ -315,10 +149,11 @@ class _Tail:
         return note + self.data.decode("utf-8", errors="replace")
 
 
-def _pump(streams: dict[int, _Tail], deadline: float) -> bool:
-    """Read every pipe until all reach EOF (True) or the deadline passes (False). The sandbox's pid 1 holds stdout,
-    stderr and the status pipe until it exits, and the kernel kills the rest of the namespace before that, so EOF on
-    all three means the run is over."""
+def _pump(streams: dict[int, _Tail], deadline: float, group: cgroups.Group | None, cpu_s: float) -> str:
+    """Read every pipe until all reach EOF ("done"), the deadline passes ("wall") or, with a cgroup, the execution's
+    CPU time exceeds cpu_s ("cpu"). The outer bwrap and its init hold stdout, stderr and the status pipe until they
+    exit, and the kernel kills the rest of the pid namespace with its init, so EOF on all three means the
+    run is over."""
     with selectors.DefaultSelector() as sel:
         for fd in streams:
             os.set_blocking(fd, False)
@@ -326,48 +161,26 @@ def _pump(streams: dict[int, _Tail], deadline: float) -> bool:
         while sel.get_map():
             left = deadline - time.monotonic()
             if left <= 0:
-                return False
-            for key, _ in sel.select(left):
+                return "wall"
+            if group is not None and group.cpu_s() > cpu_s:
+                return "cpu"
+            for key, _ in sel.select(min(left, 0.1) if group is not None else left):
                 chunk = os.read(key.fd, 65536)
                 if chunk:
                     streams[key.fd].add(chunk)
                 else:
                     sel.unregister(key.fd)
-    return True
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid:
-            found.append(int(entry))
-    return found
+    return "done"
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """Kill the sandbox's pid 1, so the kernel kills the whole namespace and unshare reaps it (killing unshare first
-    would orphan pid 1 to the host's init); with no pid 1 yet, or if unshare lingers, kill its process group."""
-    children = _children(proc.pid)
-    for pid in children:
+    """SIGKILL the outermost process (bwrap once it started; --die-with-parent then kills its init, and the kernel the
+    whole pid namespace) and its process group (anything of the start-up chain)."""
+    for kill, target in ((os.kill, proc.pid), (os.killpg, proc.pid)):
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+            kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
             pass
-    if children:
-        try:
-            proc.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _reap(proc: subprocess.Popen) -> float:
@@ -377,6 +190,16 @@ def _reap(proc: subprocess.Popen) -> float:
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     return usage.ru_utime + usage.ru_stime
+
+
+def _drain(pipes: list[int], streams: list[_Tail]) -> None:
+    """After a kill: read what is left in the pipes (the writers are dead, so this ends)."""
+    for fd, tail in zip(pipes, streams):
+        try:
+            while chunk := os.read(fd, 65536):
+                tail.add(chunk)
+        except (BlockingIOError, OSError):
+            pass
 
 
 # --------------------------------------------------------------------------------------------------------- verdicts
@@ -412,82 +235,120 @@ def _exit_reason(code: int, stderr: str, limits: SandboxLimits) -> str:
         return f"memory limit ({limits.memory_mb} MB): {last}"
     if "File too large" in last:
         return f"file size limit ({limits.file_mb} MB): {last}"
+    if "No space left on device" in last:
+        return f"disk limit ({limits.disk_mb} MB): {last}"
     if "Resource temporarily unavailable" in last or "can't start new thread" in last:
         return f"process limit ({limits.processes}): {last}"
     return f"exit code {code}: {last or '(no stderr)'}"
 
 
-def _signal_reason(sig: int, cpu_s: float, limits: SandboxLimits) -> str:
+def _signal_reason(sig: int, cpu_s: float, oom: bool, limits: SandboxLimits) -> str:
+    if oom:
+        return f"memory limit ({limits.memory_mb} MB in total): killed by the kernel's OOM killer"
     if sig == signal.SIGXCPU or sig == signal.SIGKILL and cpu_s >= limits.cpu_s:
         return f"cpu limit ({limits.cpu_s:g} s)"
     if sig == signal.SIGXFSZ:
         return f"file size limit ({limits.file_mb} MB)"
     if sig == signal.SIGKILL:
-        return ("killed by signal 9 (SIGKILL), not by a limit the sandbox can identify (possibly the kernel OOM "
-                "killer)")
+        return "killed by signal 9 (SIGKILL), not by a limit the sandbox can identify"
     return f"killed by signal {sig} ({_signal_name(sig)})"
 
 
-def _verdict(status: str, stderr: str, timed_out: bool, cpu_s: float, limits: SandboxLimits
+def _verdict(returncode: int, stderr: str, stopped: str, cpu_s: float, oom: bool, limits: SandboxLimits
              ) -> tuple[int | None, str | None]:
-    """(exit_code, reason) from the SHIM's report."""
-    lines = status.split()
-    if timed_out:
+    """(exit_code, reason) from bwrap's exit status: the code's, or 128+N when signal N killed it (bwrap's init)."""
+    if stopped == "wall":
         return None, f"time limit (wall {limits.wall_s:g} s)"
-    if len(lines) >= 3 and lines[1] == "exit":
-        code = int(lines[2])
-        if code == 0:
-            return 0, None
-        if code < 0:
-            return code, _signal_reason(-code, cpu_s, limits)
-        return code, _exit_reason(code, stderr, limits)
-    # started but pid 1 died without reporting: only SIGKILL from outside can do that
-    return None, (f"sandbox supervisor died without a report (cpu {cpu_s:.1f} s; possibly the kernel OOM killer): "
-                  f"{_last_line(stderr)}")
+    if stopped == "cpu":
+        return None, f"cpu limit ({limits.cpu_s:g} s in total)"
+    code = -(returncode - 128) if 128 < returncode < 128 + 65 else -returncode if returncode < 0 else returncode
+    if oom:  # even when the first process exited 0: one of its processes was killed for the execution's memory
+        return code, _signal_reason(signal.SIGKILL, cpu_s, oom, limits)
+    if code == 0:
+        return 0, None
+    if code < 0:
+        return code, _signal_reason(-code, cpu_s, oom, limits)
+    return code, _exit_reason(code, stderr, limits)
 
 
 # ------------------------------------------------------------------------------------------------------------- API
 
 
+def _file_fds(code: str, files: dict[str, str] | None) -> dict[str, int]:
+    files = dict(files or {})
+    if _SCRIPT in files:
+        raise ValueError(f"files: {_SCRIPT!r} is reserved for the code itself; give the file another name")
+    files[_SCRIPT] = code
+    fds = {}
+    try:
+        for name, text in files.items():
+            path = os.path.normpath(name)
+            if os.path.isabs(name) or path == "." or path.startswith(os.pardir):
+                raise ValueError(f"files: {name!r} must be a relative path inside the working directory")
+            fd = os.memfd_create("megarl-sandbox-file")
+            fds[path] = fd
+            os.write(fd, text.encode("utf-8"))
+            os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds
+
+
 def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None,
                files: dict[str, str] | None = None) -> SandboxResult:
-    """Run `code` as main.py (with `files` beside it) in a fresh sandbox and report how it ended. Raises
+    """Run `code` as /work/main.py (with `files` beside it) in a fresh sandbox and report how it ended. Raises
     SandboxUnavailable, without running anything, when the isolation cannot be set up."""
     limits = limits or SandboxLimits()
-    root, workdir = _make_dirs(code, files)
+    fds = _file_fds(code, files)
+    slot, group, proc = None, None, None
     status_r, status_w = os.pipe()
-    proc = None
     start = time.monotonic()
     try:
-        argv, env = _sandbox_argv(limits, root, workdir, status_w)
+        slot = UidSlot()
+        # pids.max: the code's processes + the start-up chain/outer bwrap, bwrap's init; RLIMIT_NPROC counts the same tasks of the uid
+        nproc = limits.processes + 3
+        group = cgroups.Group.create(int(limits.memory_mb * _MB), nproc)
+        argv = isolation.command(
+            procs_files=group.procs_files() if group else [], uid=slot.uid, cpu_s=limits.cpu_s,
+            memory_bytes=int(limits.memory_mb * _MB), file_bytes=int(limits.file_mb * _MB), nproc=nproc,
+            disk_bytes=int(limits.disk_mb * _MB), files=fds,
+            shim=["-c", _PREAMBLE, str(status_w), _SCRIPT, *isolation.host_namespaces()])
         with tempfile.TemporaryFile() as stdin_file:
             stdin_file.write(stdin.encode("utf-8"))
             stdin_file.seek(0)
             try:
                 proc = subprocess.Popen(argv, stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        pass_fds=(status_w,), cwd=workdir, env=env, start_new_session=True)
+                                        pass_fds=(status_w, *fds.values()), cwd="/", env=isolation.environment(),
+                                        start_new_session=True)
             except OSError as e:
-                raise SandboxUnavailable(f"cannot start the sandbox ({e}). {_FIX}") from None
+                raise SandboxUnavailable(f"cannot start the sandbox ({e}). {FIX}") from None
         os.close(status_w)
         status_w = -1
         out, err, status = _Tail(limits.output_bytes), _Tail(limits.output_bytes), _Tail(4096)
-        finished = _pump({proc.stdout.fileno(): out, proc.stderr.fileno(): err, status_r: status},
-                         start + limits.wall_s)
-        if not finished:
+        pipes = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, status_r: status}
+        stopped = _pump(pipes, start + limits.wall_s, group, limits.cpu_s)
+        if stopped != "done":
             _kill(proc)
         cpu_s = _reap(proc)
+        if stopped != "done":
+            _drain(list(pipes), list(pipes.values()))
+        if group is not None:
+            cpu_s = max(cpu_s, group.cpu_s())
         wall_s = time.monotonic() - start
         report = status.text()
         if not report.startswith(_STARTED):
-            if not finished:
+            if stopped == "wall":
                 return SandboxResult(False, None, out.text(), err.text(), f"time limit (wall {limits.wall_s:g} s) "
                                      "before the code started (sandbox start-up too slow)", wall_s)
             raise SandboxUnavailable(
-                "the sandbox failed before the code ran (isolation, or the interpreter starting under the limits): "
-                f"`{UNSHARE}` wrapper exited with status "
-                f"{proc.returncode}; stderr: {err.text().strip()!r}{'; ' + report.strip() if report else ''}. {_FIX} If instead the "
-                f"interpreter failed to start, raise SandboxLimits.memory_mb (now {limits.memory_mb} MB).")
-        exit_code, reason = _verdict(report, err.text(), not finished, cpu_s, limits)
+                f"the sandbox failed before the code ran: {report.strip() or 'no report from inside'}; the "
+                f"`{isolation.BWRAP}` wrapper exited with status {proc.returncode}; stderr: "
+                f"{err.text().strip()[-1000:]!r}. {FIX} If instead the interpreter failed to start, raise "
+                f"SandboxLimits.memory_mb (now {limits.memory_mb} MB).")
+        oom = group is not None and group.oom_killed()
+        exit_code, reason = _verdict(proc.returncode, err.text(), stopped, cpu_s, oom, limits)
         return SandboxResult(reason is None, exit_code, out.text(), err.text(), reason, wall_s)
     finally:
         if proc is not None:
@@ -496,20 +357,23 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None,
                 _reap(proc)
             proc.stdout.close()
             proc.stderr.close()
-        os.close(status_r)
-        if status_w >= 0:
-            os.close(status_w)
-        _remove(root)
+        for fd in [status_r, status_w, *fds.values()]:
+            if fd >= 0:
+                os.close(fd)
+        if group is not None:
+            group.remove()
+        if slot is not None:
+            slot.release()
 
 
 def check_sandbox() -> None:
     """Raise SandboxUnavailable unless a trivial program runs in the sandbox; a success is remembered per process
     (and per isolation tool)."""
-    key = (UNSHARE, _is_root())
+    key = (isolation.BWRAP, isolation.is_root())
     if key in _CHECKED:
         return
     result = run_python("print(1)", limits=SandboxLimits(cpu_s=5, wall_s=30))
     if not result.ok or result.stdout.strip() != "1":
         raise SandboxUnavailable(f"the sandbox probe print(1) did not succeed: {result.reason}; stdout "
-                                 f"{result.stdout!r}, stderr {result.stderr[-2000:]!r}. {_FIX}")
+                                 f"{result.stdout!r}, stderr {result.stderr[-2000:]!r}. {FIX}")
     _CHECKED.add(key)

@@ -86,7 +86,9 @@ class EngineConfig:
     tp_size: int = 1
     max_total_tokens: Optional[int] = 16384
     mem_fraction_static: Optional[float] = None
+    # per start attempt: process start, /health and megarl's own 1-token warm-up (SGLang's 10 s warm-up is skipped)
     startup_timeout_s: float = 300.0
+    startup_retries: int = 1  # start again this many times after a start-up that timed out (a loaded machine)
     router_policy: str = "least_loaded"
     dtype: Optional[str] = None  # the engine's weights: None = float32 on CPU, bfloat16 on GPU (bfloat16 | float32)
     extra_args: list = field(default_factory=list)
@@ -186,7 +188,12 @@ class SFTConfig:
 class ReshardConfig:
     transport: str = "tensor"  # tensor (colocated) | distributed (NCCL/gloo broadcast) | disk
     bucket_mb: int = 512
-    verify_every: int = 10  # verify the first sync, then every N (0: first only)
+    # Verification after a sync: the probe log-probs always, plus the per-tensor checksums below. Verified: the first
+    # sync, then every `verify_every`-th (1: every sync; 0: the first only).
+    verify_every: int = 10
+    # Compare SGLang's checksum of every engine tensor (per engine TP rank, in its padded layout, MoE experts
+    # included) with the trainer's; a mismatch names the tensor. Costs one hash pass over the weights on both sides.
+    verify_checksums: bool = True
     # the probe check's tolerance on engine vs trainer log-probs; None: 1e-3 for an fp32 engine, 5e-2 otherwise (a
     # bf16 engine serving an fp32 trainer, MoE routing flips included, may need more; the checksums stay exact)
     probe_atol: Optional[float] = None
@@ -248,6 +255,13 @@ class TrainConfig:
                      "env.max_response_tokens"):
             if self._value(name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {self._value(name)}")
+        from ..algorithms.advantages import NEEDS_GROUPS
+
+        if self.algorithm.advantage_estimator in NEEDS_GROUPS and self.rollout.n_samples < 2:
+            raise ConfigError(f"algorithm.advantage_estimator={self.algorithm.advantage_estimator} compares the "
+                              f"samples of one prompt, but rollout.n_samples={self.rollout.n_samples}. Fix: set "
+                              "rollout.n_samples >= 2 (e.g. 8), or use reinforce_plus_plus")
+        self._validate_optimizer()
         if self.rollout.prompts_per_step % self.rl.mini_batches:
             raise ConfigError(f"rollout.prompts_per_step={self.rollout.prompts_per_step} must be divisible by "
                               f"rl.mini_batches={self.rl.mini_batches} (each mini-batch takes whole groups)")
@@ -272,6 +286,25 @@ class TrainConfig:
                               f"{self.rollout.temperature}: the trainer's log-probs must be of the distribution the "
                               "engine sampled from")
         return self
+
+    def _validate_optimizer(self) -> None:
+        for section in ("optim", "sft"):
+            o = getattr(self, section)
+            if not o.lr > 0:
+                raise ConfigError(f"{section}.lr={o.lr} must be > 0. Fix: e.g. {section}.lr=1e-6")
+            if not 0 <= o.min_lr <= o.lr:
+                raise ConfigError(f"{section}.min_lr={o.min_lr} must be in [0, {section}.lr={o.lr}]. Fix: e.g. "
+                                  f"{section}.min_lr=0")
+            if o.warmup_steps < 0:
+                raise ConfigError(f"{section}.warmup_steps={o.warmup_steps} must be >= 0")
+            if o.weight_decay < 0:
+                raise ConfigError(f"{section}.weight_decay={o.weight_decay} must be >= 0. Fix: e.g. 0.0 or 0.01")
+        o = self.optim
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(o, name) < 1:
+                raise ConfigError(f"optim.{name}={getattr(o, name)} must be in [0, 1). Fix: e.g. 0.9 / 0.999")
+        if o.clip_grad < 0:
+            raise ConfigError(f"optim.clip_grad={o.clip_grad} must be >= 0 (0: no clipping). Fix: e.g. 1.0")
 
     def _validate_placement(self) -> None:
         engine = self.rollout.engine

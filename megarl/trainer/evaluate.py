@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 
 from ..data import load_responses
+from ..errors import on_rank0
 from ..evaluation import plot_pass_at_k
 from ..losses import compute_log_probs
 from ..losses.step import holds_results
 from .batching import Sample, rank_batch
-from .rl import RLTrainer, broadcast
+from .rl import RLTrainer
 from .setup import prompt_tools
 
 
@@ -42,13 +43,14 @@ def response_stats(trainer: RLTrainer, pairs: list[tuple[list[int], list[int]]])
     dist.all_reduce(sums)
     stats = {"responses": len(pairs), "tokens": int(sums[2]), "trainer_ppl": math.exp(-sums[0] / sums[2]),
              "trainer_entropy": float(sums[1] / sums[2])}
-    engine = None
-    if trainer.rank == 0:
+
+    def engine_ppl():
         sequences = [p + r for p, r in pairs]
         log_probs = trainer.clients[0].prompt_log_probs(sequences)  # log p(seq[t] | seq[:t]) for t >= 1
         tail = [lp[len(lp) - len(r):] for lp, (_, r) in zip(log_probs, pairs)]
-        engine = math.exp(-sum(map(sum, tail)) / sum(map(len, tail)))
-    stats["engine_ppl"] = broadcast(engine)
+        return math.exp(-sum(map(sum, tail)) / sum(map(len, tail)))
+
+    stats["engine_ppl"] = on_rank0(engine_ppl)
     stats["ppl_rel_diff"] = abs(stats["engine_ppl"] - stats["trainer_ppl"]) / stats["trainer_ppl"]
     return stats
 
@@ -64,8 +66,8 @@ def run_eval(cfg, samples: int | None = None, responses: str | None = None, out:
         result.update(trainer.evaluate("eval"))
         curve = trainer.state.get("eval_curves", {}).get("eval")
         if responses:
-            pairs = load_responses(responses, trainer.tok, cfg.data, prompt_tools(cfg)) if trainer.rank == 0 else None
-            result.update({f"responses/{k}": v for k, v in response_stats(trainer, broadcast(pairs)).items()})
+            pairs = on_rank0(lambda: load_responses(responses, trainer.tok, cfg.data, prompt_tools(cfg)))
+            result.update({f"responses/{k}": v for k, v in response_stats(trainer, pairs).items()})
         if trainer.rank == 0:
             os.makedirs(out, exist_ok=True)
             if curve:

@@ -21,13 +21,15 @@ import torch.distributed as dist
 from .. import parallel, platform
 from ..algorithms import compute_advantages, kl_estimate
 from ..config import to_dict
+from ..errors import about, on_rank0
 from ..data import ChatTokenizer, load_prompts
 from ..losses import compute_log_probs, compute_values, prepare_global_batch, train_step
 from ..losses.step import holds_results
 from ..models.moe import RoutingStats, load_balance_metrics
-from ..reshard import TRANSPORTS, SyncConfig, WeightSync
+from ..reshard import TRANSPORTS, SyncConfig, TransportOptions, WeightSync
 from ..rewards import RewardPool
-from ..rollout import EngineClient, EngineRouter, ServerConfig, SGLangServer
+from ..rollout import EngineClient, EngineRouter, SGLangServer
+from ..rollout.server import engine_server_config
 from .batching import RankBatch, rank_batch
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .logging import MetricsLog, PhaseTimer
@@ -39,12 +41,6 @@ from .setup import (build_critic, build_policy, build_reference, init_parallel, 
 logger = logging.getLogger("megarl")
 
 
-def broadcast(obj, src: int = 0):
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
 def _on_every_stage(per_token: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """Forward-only results exist on the last pipeline stage; the other stages, which compute no loss, get zeros."""
     return per_token if per_token is not None else torch.zeros_like(like)
@@ -53,7 +49,7 @@ def _on_every_stage(per_token: torch.Tensor | None, like: torch.Tensor) -> torch
 class RLTrainer:
     def __init__(self, cfg, metrics_log: bool = True):
         self.cfg, self.started = cfg, time.perf_counter()
-        parallel.initialize(cfg.parallel)
+        parallel.init_distributed(parallel=cfg.parallel)  # the groups: once the model shape is known
         self.rank = dist.get_rank()
         self.model_path = prepare_model_folder(cfg)
         folder = init_parallel(cfg, self.model_path)
@@ -89,48 +85,47 @@ class RLTrainer:
     # ------------------------------------------------------------------------------------------------ set-up
     def _start_rollout_side(self) -> None:
         cfg = self.cfg
-        self.servers, urls = [], list(cfg.rollout.engine.urls)
-        if self.rank == 0:
-            tools = prompt_tools(cfg)
-            self.train_records = load_prompts(cfg.data.train, self.tok, cfg.data, "train", tools)
-            eval_spec = cfg.data.eval or ("synthetic" if cfg.data.train == "synthetic" else None)
-            self.eval_records = load_prompts(eval_spec, self.tok, cfg.data, "eval", tools) if eval_spec else []
-            self.stream = PromptStream(self.train_records, cfg.seed, cfg.data.shuffle)
-            self.rewards = RewardPool(cfg.reward.name, cfg.reward.workers, cfg.reward.timeout_s, cfg.reward.kwargs)
-            if not urls:
-                for i in range(cfg.rollout.engine.num_engines):
-                    e = cfg.rollout.engine
-                    server = SGLangServer(ServerConfig(
-                        model_path=self.model_path, tp_size=e.tp_size, max_total_tokens=e.max_total_tokens,
-                        mem_fraction_static=e.mem_fraction_static, random_seed=cfg.seed + i, dtype=e.dtype,
-                        startup_timeout_s=e.startup_timeout_s, log_dir=os.path.join(cfg.run_dir, "engine"),
-                        seeded_sampling=cfg.rollout.deterministic, extra_args=list(e.extra_args) + (
-                            ["--enable-return-routed-experts"] if cfg.rollout.engine_routing else []) + (
-                            # several engines on one node: each on its own GPUs
-                            ["--base-gpu-id", str(i * e.tp_size)] if platform.on_gpu() and i else [])))
-                    self.servers.append(server.start())
-                urls = [s.url for s in self.servers]
-        urls = broadcast(urls)
+        self.servers = []
+        # rank 0 reads the data, starts the reward pool and the engines; a failure there reaches every rank
+        urls = on_rank0(self._start_rank0)
         self.clients = [EngineClient(server=s) for s in self.servers] if self.servers else \
             [EngineClient(url) for url in urls]
         if self.rank == 0:
             self.router = EngineRouter(self.clients, cfg.rollout.engine.router_policy)
-            self.rollout = Rollout(cfg, self.tok, self.router, self.rewards, tools=tools)
-        transport, e = TRANSPORTS[cfg.reshard.transport], cfg.rollout.engine
+            self.rollout = Rollout(cfg, self.tok, self.router, self.rewards, tools=self._tools)
+        e = cfg.rollout.engine
         self.syncs = []
         for i, client in enumerate(self.clients):
-            if cfg.reshard.transport == "disk":
-                t = transport(client, os.path.join(cfg.run_dir, "engine", f"weights-{i}"))
-            elif cfg.reshard.transport == "distributed":  # engines on other hosts join a group rank 0 hosts
-                t = transport(client, e.tp_size, master_address=cfg.reshard.master_address or
-                              ("127.0.0.1" if self.servers else socket.gethostname()))
-            else:
-                t = transport(client, e.tp_size)
+            t = TRANSPORTS[cfg.reshard.transport](client, TransportOptions(
+                engine_tp=e.tp_size, folder=os.path.join(cfg.run_dir, "engine", f"weights-{i}"),
+                # engines on other hosts join the group at rank 0's host name
+                master_address=cfg.reshard.master_address or ("127.0.0.1" if self.servers else socket.gethostname())))
             self.syncs.append(WeightSync(self.bridge, self.policy.chunks, t, client if self.rank == 0 else None,
                                          SyncConfig(bucket_bytes=cfg.reshard.bucket_mb << 20,
                                                     verify_every=cfg.reshard.verify_every,
+                                                    verify_checksums=cfg.reshard.verify_checksums,
                                                     probe_atol=cfg.reshard.probe_atol,
                                                     engine_dtype=getattr(torch, e.dtype) if e.dtype else None)))
+
+    def _start_rank0(self) -> list:
+        cfg, urls = self.cfg, list(self.cfg.rollout.engine.urls)
+        tools = prompt_tools(cfg)
+        with about(f"data.train={cfg.data.train}"):
+            self.train_records = load_prompts(cfg.data.train, self.tok, cfg.data, "train", tools)
+        eval_spec = cfg.data.eval or ("synthetic" if cfg.data.train == "synthetic" else None)
+        with about(f"data.eval={eval_spec}"):
+            self.eval_records = load_prompts(eval_spec, self.tok, cfg.data, "eval", tools) if eval_spec else []
+        self.stream = PromptStream(self.train_records, cfg.seed, cfg.data.shuffle)
+        self.rewards = RewardPool(cfg.reward.name, cfg.reward.workers, cfg.reward.timeout_s, cfg.reward.kwargs)
+        if not urls:
+            for i in range(cfg.rollout.engine.num_engines):
+                # the one ServerConfig builder (megarl.rollout.server); several engines on one node: own GPUs each
+                server = SGLangServer(engine_server_config(
+                    cfg, self.model_path, i, base_gpu_id=i * cfg.rollout.engine.tp_size if i else None))
+                self.servers.append(server.start())
+            urls = [s.url for s in self.servers]
+        self._tools = tools
+        return urls
 
     def _resume(self) -> None:
         path = latest_checkpoint(self.ckpt_root) if self.cfg.checkpoint.resume and \
@@ -151,8 +146,7 @@ class RLTrainer:
 
         # 1. Rollout: rank 0 asks the engines for n samples per prompt and scores them; every rank gets the samples.
         with timer("rollout"):
-            samples, stats = self.rollout.collect(self.stream, step) if self.rank == 0 else (None, None)
-            samples, stats = broadcast((samples, stats))
+            samples, stats = on_rank0(lambda: self.rollout.collect(self.stream, step))
         self._engines("release_memory")  # colocated GPUs: the engine's memory goes to training (no-op on CPU)
 
         # 2. This DP rank's rows: whole groups, balanced tokens, micro-batches by token budget.
@@ -319,12 +313,16 @@ class RLTrainer:
     def evaluate(self, tag) -> dict:
         """Held-out evaluation on rank 0 (pass@k, maj@n, tool use); its pass@k curve is kept for the plot."""
         cfg = self.cfg
-        result = None
-        if self.rank == 0 and self.eval_records:
+
+        def run():
+            if not self.eval_records:
+                return {}
             temperature = cfg.rl.eval_temperature if cfg.rl.eval_temperature is not None else cfg.rollout.temperature
             result, curve = self.rollout.evaluate(self.eval_records, cfg.rl.eval_samples, temperature, tag)
             self.state.setdefault("eval_curves", {})[str(tag)] = curve
-        return broadcast(result) or {}
+            return result
+
+        return on_rank0(run) or {}
 
     # --------------------------------------------------------------------------------------------- the run
     def train(self) -> dict:

@@ -49,7 +49,7 @@ def run_sft(cfg) -> dict:
         raise ConfigError("sft.pack=true packs samples with per-sample attention masks, which the local (CPU) "
                           "attention honours; the TransformerEngine path needs THD packed-sequence parameters, not "
                           "wired yet. Fix: sft.pack=false on GPU")
-    parallel.initialize(cfg.parallel)
+    parallel.init_distributed(parallel=cfg.parallel)  # the groups: once the model shape is known
     rank = dist.get_rank()
     model_path = prepare_model_folder(cfg)
     folder = init_parallel(cfg, model_path)

@@ -1,0 +1,79 @@
+"""Engine start-up on a loaded machine: a start-up that times out is retried (bounded), a deterministic failure is
+not, and the engine counts as started only once it has generated (megarl's own warm-up). A stand-in server script
+plays SGLang here (no timing involved: it fails or serves on command)."""
+import sys
+import textwrap
+
+import pytest
+
+from megarl.rollout import server as server_module
+from megarl.rollout.server import EngineError, ServerConfig, SGLangServer, cpu_threads_bind
+
+FAKE = textwrap.dedent('''
+    import json, os, sys
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    port, state, failures, message = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    starts = int(open(state).read()) if os.path.exists(state) else 0
+    open(state, "w").write(str(starts + 1))
+    if starts < failures:
+        print(message, flush=True)
+        sys.exit(3)
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers()
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with open(state + ".generated", "w") as f:
+                json.dump(body, f)
+            self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+        def log_message(self, *args):
+            pass
+    HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+''')
+
+
+def _fake(monkeypatch, tmp_path, failures, message):
+    script = tmp_path / "fake_sglang.py"
+    script.write_text(FAKE)
+    state = tmp_path / "starts"
+
+    def command(cfg, port, on_gpu=None):
+        return [sys.executable, str(script), str(port), str(state), str(failures), message], {}
+
+    monkeypatch.setattr(server_module, "server_command", command)
+    return state
+
+
+def test_timed_out_start_is_retried_and_warmed_up(monkeypatch, tmp_path):
+    state = _fake(monkeypatch, tmp_path, 1, "Initialization failed. warmup error: ReadTimeout(read timeout=10)")
+    server = SGLangServer(ServerConfig(model_path="m", log_dir=str(tmp_path / "log"), startup_retries=1))
+    try:
+        server.start()
+        assert server.alive() and state.read_text() == "2"  # the first start timed out, the second served
+        generated = (tmp_path / "starts.generated").read_text()
+        assert '"max_new_tokens": 1' in generated  # megarl's own warm-up request reached the engine
+    finally:
+        server.stop()
+
+
+def test_retries_are_bounded(monkeypatch, tmp_path):
+    state = _fake(monkeypatch, tmp_path, 5, "ReadTimeout")
+    server = SGLangServer(ServerConfig(model_path="m", log_dir=str(tmp_path / "log"), startup_retries=2))
+    with pytest.raises(EngineError) as error:
+        server.start()
+    assert state.read_text() == "3" and "attempt 3 of 3" in str(error.value)
+    assert "rollout.engine.startup_retries" in str(error.value) and not server.alive()
+
+
+def test_deterministic_failure_is_not_retried(monkeypatch, tmp_path):
+    state = _fake(monkeypatch, tmp_path, 5, "OSError: no such model")
+    server = SGLangServer(ServerConfig(model_path="m", log_dir=str(tmp_path / "log"), startup_retries=2))
+    with pytest.raises(EngineError) as error:
+        server.start()
+    assert state.read_text() == "1" and "OSError: no such model" in str(error.value)
+
+
+def test_cpu_threads_bind_splits_the_cores():
+    assert cpu_threads_bind(2, [0, 1]) == "0|1"
+    assert cpu_threads_bind(2, [0, 1, 2, 3]) == "0,1|2,3"
+    assert cpu_threads_bind(2, [5]) == "5|5"
