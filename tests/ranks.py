@@ -245,6 +245,6 @@ def sync_peak_memory(path, url, layout, bucket_bytes):
     extra = (_status_kb("VmHWM") - start_kb) * 1024
     probe = sync.verify()  # the measured sync really moved the weights
     sync.close()
-    buffer = sync.packer._buffer  # resident since the warm-up sync: counted on top of the measured peak
+    buffer = sync.source.packer._buffer  # resident since the warm-up sync: counted on top of the measured peak
     return {"extra_bytes": extra, "buffer_bytes": 0 if buffer is None else buffer.numel(), "buckets": stats["buckets"],
             "probe_max_abs_diff": probe["probe_max_abs_diff"]}

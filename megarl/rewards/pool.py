@@ -21,42 +21,53 @@ from ..sandbox import SandboxUnavailable, check_sandbox
 logger = logging.getLogger(__name__)
 
 
-def _score_one(fn: Callable, response: str, answer, kwargs: dict, conn) -> None:
-    try:
-        conn.send((float(fn(response, answer, **kwargs)), None, False))
-    except SandboxUnavailable as e:
-        conn.send((0.0, str(e), True))
-    except BaseException as e:  # a user reward function may raise anything; the sample scores 0
-        conn.send((0.0, f"{type(e).__name__}: {e}", False))
-
-
-def _score_killable(fn: Callable, response: str, answer, kwargs: dict, timeout_s: float) -> tuple[float, str | None]:
-    """Score one response in a forked child; SIGKILL it at the timeout (its sandbox, if any, dies with it)."""
-    ctx = multiprocessing.get_context("fork")  # the worker is single-threaded, so fork is safe and cheap
-    recv, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_score_one, args=(fn, response, answer, kwargs, send))
-    child.start()
-    send.close()
-    try:
-        if recv.poll(timeout_s):
-            score, error, unavailable = recv.recv()
-            if unavailable:
-                raise SandboxUnavailable(error)  # no isolation is an infrastructure failure: stop the run
-            return score, error
-        return 0.0, f"timed out (> {timeout_s:g} s per response); the reward process was killed"
-    except EOFError:
-        return 0.0, f"the reward process died (exit code {child.exitcode})"
-    finally:
-        if child.is_alive():
-            child.kill()
-        child.join()
-        recv.close()
+def _score_stream(fn: Callable, items: list[tuple[str, str | None]], kwargs: dict, conn) -> None:
+    """In the forked child: score the responses in order, sending each result as soon as it is known."""
+    for response, answer in items:
+        try:
+            conn.send((float(fn(response, answer, **kwargs)), None, False))
+        except SandboxUnavailable as e:
+            conn.send((0.0, str(e), True))
+            return
+        except BaseException as e:  # a user reward function may raise anything; the sample scores 0
+            conn.send((0.0, f"{type(e).__name__}: {e}", False))
 
 
 def _score(name: str, kwargs: dict, items: list[tuple[str, str | None]], timeout_s: float = 10.0
            ) -> list[tuple[float, str | None]]:
+    """Score a chunk in a child forked from this worker, each response within timeout_s of the previous result. A
+    response that runs past it (hangs, even in C code or with signals blocked) is killed with the child (its
+    sandbox, if any, dies with it) and scores 0; a new child goes on with the next response. One fork per chunk in
+    the common case, not per response."""
     fn = resolve_reward(name)
-    return [_score_killable(fn, response, answer, kwargs, timeout_s) for response, answer in items]
+    ctx = multiprocessing.get_context("fork")  # the worker is single-threaded, so fork is safe and cheap
+    results: list[tuple[float, str | None]] = []
+    while len(results) < len(items):
+        recv, send = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_score_stream, args=(fn, items[len(results):], kwargs, send))
+        child.start()
+        send.close()
+        try:
+            while len(results) < len(items):
+                if not recv.poll(timeout_s):
+                    results.append((0.0, f"timed out (> {timeout_s:g} s per response); the reward process was "
+                                         "killed"))
+                    break
+                try:
+                    score, error, unavailable = recv.recv()
+                except EOFError:
+                    child.join(1.0)
+                    results.append((0.0, f"the reward process died (exit code {child.exitcode})"))
+                    break
+                if unavailable:
+                    raise SandboxUnavailable(error)  # no isolation is an infrastructure failure: stop the run
+                results.append((score, error))
+        finally:
+            if child.is_alive():
+                child.kill()
+            child.join()
+            recv.close()
+    return results
 
 
 class RewardPool:
