@@ -4,7 +4,8 @@ end to end (assert tests judged outside the sandbox).
 
     .venv/bin/python benchmarks/sandbox.py [--runs 60] [--workers 2]
 
-Writes benchmarks/results/sandbox.json.
+Writes benchmarks/results/sandbox.json (overhead_ms_median, executions_per_s, workers) and sandbox_details.json
+(the other measurements).
 """
 from __future__ import annotations
 
@@ -66,11 +67,15 @@ def main() -> None:
     print(f"bare interpreter start {out['bare_interpreter_ms_median']} ms; sandboxed empty program "
           f"{out['execution_ms_median']} ms (overhead {out['overhead_ms_median']} ms); code reward "
           f"{out['code_reward_ms_median']} ms; {out['executions_per_s']} executions/s with {args.workers} at once")
-    path = os.path.join(HERE, "results", "sandbox.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=2)
-        f.write("\n")
-    print(f"wrote {path}")
+    # sandbox.json holds exactly the keys the issue names; the other measurements go beside it
+    headline = ("overhead_ms_median", "executions_per_s", "workers")
+    for name, part in (("sandbox.json", {k: out[k] for k in headline}),
+                       ("sandbox_details.json", {k: v for k, v in out.items() if k not in headline})):
+        path = os.path.join(HERE, "results", name)
+        with open(path, "w") as f:
+            json.dump(part, f, indent=2)
+            f.write("\n")
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -38,13 +38,13 @@ def preflight(cfg, command: str, *, engines: bool = False, world_size: int | Non
     done = [check_run_dir(cfg.run_dir)]
     if world_size is not None:
         done.append(check_layout(cfg, world_size))
-    folder = None
+    folder = tokenizer = None
     if cfg.model.path:
         with _about("model.path"):
             from ..models import open_model_folder
 
             folder = open_model_folder(cfg.model.path)
-            _check_tokenizer(cfg.model.path)
+            tokenizer = _load_tokenizer(cfg.model.path)
         done.append(f"model.path {cfg.model.path}: {folder.model_type}, {len(set(folder.weight_files.values()))} "
                     "weight file(s), tokenizer")
     else:
@@ -54,7 +54,7 @@ def preflight(cfg, command: str, *, engines: bool = False, world_size: int | Non
     if rl:
         done.append(check_load(cfg, produced_by_sft=command == "run" and cfg.sft.steps > 0))
         done.append(check_reward(cfg))
-    done += check_data(cfg, rl=rl, sft=sft, tokenizer_path=cfg.model.path, first_records=first_records)
+    done += check_data(cfg, rl=rl, sft=sft, tokenizer=tokenizer, first_records=first_records)
     if rl and engines:
         done += check_engines(cfg.rollout.engine.urls)
     return done
@@ -125,16 +125,11 @@ def check_reward(cfg) -> str:
     return f"reward.name {cfg.reward.name}"
 
 
-def check_data(cfg, rl: bool, sft: bool, tokenizer_path: str | None, first_records: int) -> list[str]:
+def check_data(cfg, rl: bool, sft: bool, tokenizer, first_records: int) -> list[str]:
     """The first records of every data file the command reads parse and have the fields the run needs (rendered
     with the model's chat template when its tokenizer is here, which also checks data.max_prompt_tokens)."""
     from ..data.datasets import check_prompt_records, check_sft_records
 
-    tokenizer = None
-    if tokenizer_path:
-        from ..data import ChatTokenizer
-
-        tokenizer = ChatTokenizer.from_pretrained(tokenizer_path)
     done = []
     specs = []
     if rl:
@@ -178,11 +173,11 @@ def check_engines(urls: list, timeout_s: float = 5.0) -> list[str]:
     return done
 
 
-def _check_tokenizer(path: str) -> None:
+def _load_tokenizer(path: str):
     from ..data import ChatTokenizer
 
     try:
-        ChatTokenizer.from_pretrained(path)
+        return ChatTokenizer.from_pretrained(path)
     except UserError:
         raise
     except Exception as e:  # transformers raises several types for a missing/corrupt tokenizer

@@ -231,7 +231,8 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
     try:
         p.validate(world, shape, on_gpu=True)  # planned for GPU nodes: cp > 1 is allowed
     except ParallelConfigError as e:
-        where = f"{len(trainer_nodes)} trainer node(s) x {gpus_per_node} GPUs = {world} ranks"
+        unit = "GPUs" if on_gpu else "CPU processes"
+        where = f"{len(trainer_nodes)} trainer node(s) x {gpus_per_node} {unit} = {world} ranks"
         raise TopologyError(f"{e} [{where}; model shape from {shape_source}]") from None
     groups = rank_groups(p, world)
     stage_layers = p.stage_layers(shape.num_layers) if shape is not None else None  # validated just above
