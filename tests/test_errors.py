@@ -136,3 +136,19 @@ def test_under_torchrun_one_line_from_rank0_exit_2(tmp_path, case):
     assert len(errors) == 1 and errors[0].startswith("megarl: error: "), errors
     if case.startswith("after"):
         assert "data.train=" in errors[0] and "line 41" in errors[0] and "'prompt'" in errors[0], errors
+
+
+def test_run_dir_check_is_safe_when_every_rank_runs_it(tmp_path):
+    """Every rank checks run_dir at once. A run keeps the folder it made: removing it raced with another rank's write
+    check (CI saw 'run_dir ... is not writable (No such file or directory)'). A dry run leaves nothing behind."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megarl.launch.preflight import check_run_dir
+
+    for attempt in range(20):
+        run_dir = tmp_path / f"a{attempt}" / "run"
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda _: check_run_dir(str(run_dir), keep=True), range(8)))
+        assert run_dir.is_dir() and not list(run_dir.iterdir())
+    check_run_dir(str(tmp_path / "dry" / "run"))
+    assert not (tmp_path / "dry").exists()

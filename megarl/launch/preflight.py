@@ -35,7 +35,9 @@ def preflight(cfg, command: str, *, engines: bool = False, world_size: int | Non
         return [f"model.path {cfg.model.path} is not on this machine: the layout was checked against model.shape; "
                 "the model folder, data files and model.load are checked when the run starts there",
                 check_reward(cfg) if command != "sft" else "reward: not used by sft"]
-    done = [check_run_dir(cfg.run_dir)]
+    # A dry run leaves nothing behind; a run keeps the folders it made: it writes there next, and removing them would
+    # race with the other ranks running this same check on a shared filesystem.
+    done = [check_run_dir(cfg.run_dir, keep=not planning)]
     if world_size is not None:
         done.append(check_layout(cfg, world_size))
     folder = tokenizer = None
@@ -60,8 +62,9 @@ def preflight(cfg, command: str, *, engines: bool = False, world_size: int | Non
     return done
 
 
-def check_run_dir(run_dir: str) -> str:
-    """run_dir can be created and written (a file is created and removed; a folder this made is removed)."""
+def check_run_dir(run_dir: str, keep: bool = False) -> str:
+    """run_dir can be created and written (a file is created and removed; a folder this made is removed unless
+    keep)."""
     created = []
     path = os.path.abspath(run_dir)
     try:
@@ -76,7 +79,7 @@ def check_run_dir(run_dir: str) -> str:
         raise ConfigError(f"run_dir={run_dir!r} is not writable ({e.strerror or e}). Fix: point run_dir at a folder "
                           "this user can write") from None
     finally:
-        for folder in created:  # deepest first: leave nothing behind
+        for folder in created if not keep else ():  # deepest first: leave nothing behind
             with contextlib.suppress(OSError):
                 os.rmdir(folder)
     return f"run_dir {run_dir} is writable"
