@@ -248,3 +248,22 @@ def sync_peak_memory(path, url, layout, bucket_bytes):
     buffer = sync.source.packer._buffer  # resident since the warm-up sync: counted on top of the measured peak
     return {"extra_bytes": extra, "buffer_bytes": 0 if buffer is None else buffer.numel(), "buckets": stats["buckets"],
             "probe_max_abs_diff": probe["probe_max_abs_diff"]}
+
+
+def dispatched_rows(samples, layout: dict, routing_shape, max_tokens: int, mini_batches: int) -> dict:
+    """This rank's RL rows after megarl.trainer.dispatch (rank 0 holds the samples), and what it received."""
+    from megarl.trainer.batching import BatchPlan, PackedRollout
+    from megarl.trainer.dispatch import dispatch
+
+    ps = parallel.initialize(parallel.ParallelConfig(**layout))
+    groups = parallel.groups()
+    packed = plan = None
+    if torch.distributed.get_rank() == 0:
+        packed = PackedRollout.from_samples(samples, routing=routing_shape is not None)
+        plan = BatchPlan.make(packed, groups.dp_size, ps.get_tensor_model_parallel_world_size(), max_tokens,
+                              row_multiple=mini_batches)
+    got = dispatch(packed, plan, groups)
+    batch = got.share.token_batch(got.rows, got.seq_len, 0, routing_shape)
+    return {"dp_rank": groups.dp_rank, "sample_index": got.share.sample_index.tolist(), "batch": batch,
+            "score": got.share.score, "group": got.share.group, "num_microbatches": got.num_microbatches,
+            "bytes_received": got.bytes_received, "step_bytes": packed.nbytes if packed is not None else None}

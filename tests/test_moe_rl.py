@@ -12,7 +12,7 @@ import yaml
 import ranks
 from megarl.config import ConfigError
 from megarl.testing import run_ranks, tiny_model_dir
-from megarl.trainer.batching import Sample, routing_tensor
+from megarl.trainer.batching import Sample, token_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MOE = {"family": "qwen3_moe", "tokenizer": "char",
@@ -79,12 +79,12 @@ def test_routing_tensor_places_each_samples_positions():
     layers, k = 2, 2
     a = Sample(0, 0, [1, 2], [3, 4], [0.0, 0.0], "stop", routed_experts=list(range(3 * layers * k)))
     b = Sample(1, 1, [5], [6], [0.0], "stop", routed_experts=[7, 6, 5, 4])
-    t = routing_tensor([a, b], rows=3, seq_len=5, shape=(layers, k))
+    t = token_batch([a, b], rows=3, seq_len=5, pad_id=0, routing_shape=(layers, k)).routed_experts
     assert t.shape == (3, 5, layers, k)
     assert t[0, :3].flatten().tolist() == list(range(12)) and t[1, 0].flatten().tolist() == [7, 6, 5, 4]
     assert (t[0, 3:] == torch.arange(k)).all() and (t[2] == torch.arange(k)).all()  # last token / padding
     with pytest.raises(ValueError, match="expected 1 positions x 2 layers x top-2"):
-        routing_tensor([Sample(0, 0, [1], [2], [0.0], "stop", routed_experts=[1, 2, 3])], 1, 2, (layers, k))
+        token_batch([Sample(0, 0, [1], [2], [0.0], "stop", routed_experts=[1, 2, 3])], 1, 2, 0, (layers, k))
 
 
 def _moe_options(path):

@@ -22,7 +22,8 @@ def _samples(lengths_per_group):
 
 def test_shard_groups_whole_and_balanced():
     samples = _samples([[9, 9], [1, 1], [5, 5], [4, 4], [2, 2]])
-    shares = shard_groups(samples, 2)
+    shares = shard_groups(torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples]),
+                          torch.tensor([s.group for s in samples]), 2)
     assert sorted(i for s in shares for i in s) == list(range(len(samples)))
     for share in shares:  # a group never straddles ranks
         groups = {samples[i].group for i in share}

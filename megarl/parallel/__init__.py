@@ -2,6 +2,7 @@
 
     env = DistributedEnv.from_environ()
     initialize(ParallelConfig(tp=2, pp=2), model_shape)   # init_process_group + parallel_state (tp-cp-ep-dp-pp)
+    g = groups()                                          # the groups to pass explicitly (megarl.parallel.groups)
     ...
     teardown()
 """
@@ -15,9 +16,11 @@ import torch.distributed as dist
 from .. import platform
 from .config import ModelShape, ParallelConfig, ParallelConfigError
 from .env import DistributedEnv, LaunchEnvError, first_slurm_host, free_port
+from .groups import Groups, build_groups
 
 ORDER = "tp-cp-ep-dp-pp"
 _active: ParallelConfig | None = None  # the layout initialize() was last called with (read by pipeline_split)
+_groups: Groups | None = None  # built with the layout's groups
 
 
 def init_distributed(env: DistributedEnv | None = None, timeout_minutes: int = 30,
@@ -45,7 +48,7 @@ def initialize(parallel: ParallelConfig, model: ModelShape | None = None, env: D
     Groups are built once: called again with the same layout (`megarl run`: SFT, then RL), the groups are kept and
     only the seeds are set again.
     """
-    global _active
+    global _active, _groups
     init_distributed(env, timeout_minutes, parallel, model)
     parallel.validate(dist.get_world_size(), model, on_gpu=platform.on_gpu())
 
@@ -66,6 +69,9 @@ def initialize(parallel: ParallelConfig, model: ModelShape | None = None, env: D
             distributed_timeout_minutes=timeout_minutes,
             order=ORDER,
         )
+        _groups = None
+    if _groups is None:
+        _groups = build_groups()
     _active = parallel
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
@@ -89,12 +95,19 @@ def pipeline_split(num_layers: int) -> dict:
     return _active.pipeline_split(num_layers)
 
 
+def groups() -> Groups:
+    """The groups of the layout megarl.parallel.initialize() set up (megatron-core's collection and megarl's own)."""
+    if _groups is None:
+        raise RuntimeError("megarl.parallel.groups() before megarl.parallel.initialize()")
+    return _groups
+
+
 def teardown() -> None:
     """Destroy megatron's groups and the default process group (safe to call twice)."""
     from megatron.core import parallel_state
 
-    global _active
-    _active = None
+    global _active, _groups
+    _active = _groups = None
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -102,5 +115,5 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["ORDER", "DistributedEnv", "LaunchEnvError", "ModelShape", "ParallelConfig", "ParallelConfigError",
+__all__ = ["ORDER", "DistributedEnv", "Groups", "groups", "LaunchEnvError", "ModelShape", "ParallelConfig", "ParallelConfigError",
            "first_slurm_host", "free_port", "init_distributed", "initialize", "pipeline_split", "teardown"]

@@ -1,20 +1,24 @@
 """From rollout samples to the token batches each data-parallel rank trains on.
 
+- Samples are packed into flat tensors (`PackedRollout`): token ids back to back with their lengths, one rollout
+  log-prob and one loss-mask byte per response token, one score and group id per sample, the MoE routing as a compact
+  integer tensor. That is what moves between ranks (megarl.trainer.dispatch); nothing per token is a Python object.
 - Whole prompt groups go to one DP rank (group-relative advantages and the loss's global counts need no more), and
   groups are spread so that every rank gets about the same number of tokens (longest first, to the lightest rank).
 - Every rank's share is padded to the same number of rows and the same sequence length (a multiple of TP for sequence
-  parallelism), so pipeline stages and DP ranks agree on shapes; padding rows carry no loss.
+  parallelism), so pipeline stages and DP ranks agree on shapes; padding rows carry no loss (`BatchPlan`).
 - The number of micro-batches follows a token budget: ceil(rows * seq_len / max_tokens_per_microbatch).
 - Token ids are the engine's ids, copied as they are: nothing is re-tokenised between rollout and training.
 """
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from ..losses.rl import TokenBatch, place_response_values, shift_sequences
+from ..losses.rl import TokenBatch
 
 
 @dataclass
@@ -29,93 +33,215 @@ class Sample:
     score: float = 0.0  # the reward after shaping (overlong penalty): what advantages see
     trained: bool = True  # False: kept for metrics, no loss (overlong masking)
     loss_mask: list[int] | None = None  # per response token (multi-turn: 0 on observations); None: all trained
-    routed_experts: list[int] | None = None  # the engine's MoE routing, flat [positions, layers, top-k] (R3)
+    routed_experts: torch.Tensor | list[int] | None = None  # the engine's MoE routing, flat [positions, layers, top-k]
     extra: dict = field(default_factory=dict)
 
 
-def shard_groups(samples: list[Sample], dp_size: int) -> list[list[int]]:
-    """Sample indices per DP rank: whole groups, balanced by token count (deterministic)."""
-    groups: dict[int, list[int]] = {}
-    for i, s in enumerate(samples):
-        groups.setdefault(s.group, []).append(i)
-    tokens = {g: sum(len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in idx)
-              for g, idx in groups.items()}
+def _routing_dtype(largest: int) -> torch.dtype:
+    """The smallest integer type that holds every expert index (uint8 up to 256 experts, as DeepSeek-V3 has)."""
+    return torch.uint8 if largest < 256 else torch.int16 if largest < 2 ** 15 else torch.int32
+
+
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+
+
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Concatenated arange(start, start + length) for every (start, length), without a Python loop."""
+    total = int(lengths.sum())
+    if not total:
+        return torch.zeros(0, dtype=torch.long)
+    shift = torch.repeat_interleave(starts - _offsets(lengths)[:-1], lengths)
+    return torch.arange(total) + shift
+
+
+@dataclass
+class PackedRollout:
+    """A list of samples as flat tensors. Sample i's prompt + response ids are
+    tokens[seq_offsets[i]:seq_offsets[i + 1]]; its response tokens' values (rollout log-probs, loss mask) are the
+    matching slice of the response-token arrays; its routing covers its first seq_len - 1 positions."""
+    tokens: torch.Tensor  # [T] int32 (int64 for vocabularies past 2**31)
+    seq_lens: torch.Tensor  # [n] int64, prompt + response
+    prompt_lens: torch.Tensor  # [n] int64
+    rollout_log_probs: torch.Tensor  # [R] float32, one per response token
+    loss_mask: torch.Tensor  # [R] uint8: 1 where the response token is trained (0: observations, untrained samples)
+    score: torch.Tensor  # [n] float32, the shaped reward the advantages see
+    group: torch.Tensor  # [n] int64, the prompt group within the step
+    sample_index: torch.Tensor  # [n] int64, the sample's index in the step's sample list
+    routed_experts: torch.Tensor | None = None  # [sum(seq_lens - 1) * layers * top-k], uint8 / int16 / int32
+
+    @classmethod
+    def from_samples(cls, samples: list[Sample], routing: bool = True) -> "PackedRollout":
+        """Pack `samples` (sample_index = position in the list); routing=False leaves the MoE routing out."""
+        prompt_lens = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
+        response_lens = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
+        ids = itertools.chain.from_iterable(itertools.chain(s.prompt_ids, s.response_ids) for s in samples)
+        tokens = torch.tensor(list(ids), dtype=torch.long)
+        if tokens.numel() and int(tokens.max()) < 2 ** 31:
+            tokens = tokens.to(torch.int32)
+        mask = torch.tensor(list(itertools.chain.from_iterable(
+            (s.loss_mask if s.loss_mask is not None else itertools.repeat(1, len(s.response_ids))) if s.trained
+            else itertools.repeat(0, len(s.response_ids)) for s in samples)), dtype=torch.uint8)
+        log_probs = torch.tensor(list(itertools.chain.from_iterable(s.rollout_log_probs for s in samples)),
+                                 dtype=torch.float32)
+        if log_probs.numel() != mask.numel():
+            raise ValueError(f"{log_probs.numel()} rollout log-probs for {mask.numel()} response tokens: the engine "
+                             "must return one log-prob per output token")
+        routed = None
+        if routing and samples and samples[0].routed_experts is not None:
+            parts = [torch.as_tensor(s.routed_experts).reshape(-1) for s in samples]
+            flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
+            routed = flat.to(_routing_dtype(int(flat.max()) if flat.numel() else 0))
+        n = len(samples)
+        return cls(tokens=tokens, seq_lens=prompt_lens + response_lens, prompt_lens=prompt_lens,
+                   rollout_log_probs=log_probs, loss_mask=mask,
+                   score=torch.tensor([s.score for s in samples], dtype=torch.float32),
+                   group=torch.tensor([s.group for s in samples], dtype=torch.long),
+                   sample_index=torch.arange(n), routed_experts=routed)
+
+    @property
+    def num_samples(self) -> int:
+        return self.seq_lens.numel()
+
+    @property
+    def response_lens(self) -> torch.Tensor:
+        return self.seq_lens - self.prompt_lens
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def select(self, index: torch.Tensor | list[int]) -> "PackedRollout":
+        """The samples at `index`, in that order (vectorised gathers of their token ranges)."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        seq, resp = self.seq_lens[index], self.response_lens[index]
+        out = dict(seq_lens=seq, prompt_lens=self.prompt_lens[index], score=self.score[index],
+                   group=self.group[index], sample_index=self.sample_index[index],
+                   tokens=self.tokens[_ranges(_offsets(self.seq_lens)[index], seq)])
+        response_at = _ranges(_offsets(self.response_lens)[index], resp)
+        out.update(rollout_log_probs=self.rollout_log_probs[response_at], loss_mask=self.loss_mask[response_at])
+        if self.routed_experts is not None:
+            width = self.routed_experts.numel() // max(int((self.seq_lens - 1).sum()), 1)  # layers * top-k
+            positions = _ranges(_offsets(self.seq_lens - 1)[index] * width, (seq - 1) * width)
+            out["routed_experts"] = self.routed_experts[positions]
+        return PackedRollout(**out)
+
+    def token_batch(self, rows: int, seq_len: int, pad_id: int,
+                    routing_shape: tuple[int, int] | None = None) -> TokenBatch:
+        """A TokenBatch of exactly `rows` rows (padding rows at the end carry no loss), with the rollout log-probs (and,
+        given routing_shape = (layers, top-k) and routing in the pack, the engine's MoE routing): response token j of
+        sample i sits at absolute position prompt_len + j and is predicted (loss_mask, log-prob) at the one before."""
+        n = self.num_samples
+        if rows < n:
+            raise ValueError(f"{n} samples do not fit {rows} rows")
+        if n and int(self.seq_lens.max()) > seq_len:
+            raise ValueError(f"a sample of {int(self.seq_lens.max())} tokens does not fit seq_len={seq_len}")
+        if n and int(self.prompt_lens.min()) < 1:
+            raise ValueError("a sample has an empty prompt (the first response token needs a token to predict it)")
+        sample = torch.arange(n)
+        input_ids = torch.full((rows, seq_len), pad_id, dtype=torch.long)
+        row = torch.repeat_interleave(sample, self.seq_lens)
+        input_ids[row, _ranges(torch.zeros_like(self.seq_lens), self.seq_lens)] = self.tokens.long()
+        targets = torch.cat([input_ids[:, 1:], torch.full((rows, 1), pad_id, dtype=torch.long)], dim=1)
+        resp = self.response_lens
+        row = torch.repeat_interleave(sample, resp)
+        col = _ranges(self.prompt_lens - 1, resp)
+        mask, rollout = torch.zeros(rows, seq_len), torch.zeros(rows, seq_len)
+        mask[row, col] = self.loss_mask.float()
+        rollout[row, col] = self.rollout_log_probs * self.loss_mask
+        return TokenBatch(input_ids=input_ids, targets=targets, loss_mask=mask, rollout_log_probs=rollout,
+                          routed_experts=self._routing(rows, seq_len, routing_shape) if routing_shape else None)
+
+    def _routing(self, rows: int, seq_len: int, shape: tuple[int, int]) -> torch.Tensor | None:
+        """[rows, seq_len, layers, top-k] int64: each sample's engine routing at its positions (prompt +
+        response[:-1]); elsewhere (the last token, whose output is never trained, and padding) experts 0..k-1."""
+        if self.routed_experts is None:
+            return None
+        layers, k = shape
+        positions = self.seq_lens - 1
+        if self.routed_experts.numel() != int(positions.sum()) * layers * k:
+            raise ValueError(f"the engine's routing has {self.routed_experts.numel()} entries, expected "
+                             f"{int(positions.sum())} positions x {layers} layers x top-{k}")
+        out = torch.arange(k).expand(rows, seq_len, layers, k).clone()
+        row = torch.repeat_interleave(torch.arange(self.num_samples), positions)
+        out[row, _ranges(torch.zeros_like(positions), positions)] = self.routed_experts.long().view(-1, layers, k)
+        return out
+
+
+def shard_groups(tokens: torch.Tensor, groups: torch.Tensor, dp_size: int) -> list[list[int]]:
+    """Sample indices per DP rank: whole groups, balanced by token count (deterministic). tokens, groups: [n]."""
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(groups.tolist()):
+        members.setdefault(g, []).append(i)
+    load_of = {g: int(tokens[idx].sum()) for g, idx in members.items()}
     shares: list[list[int]] = [[] for _ in range(dp_size)]
     load = [0] * dp_size
-    for g in sorted(groups, key=lambda g: (-tokens[g], g)):
+    for g in sorted(members, key=lambda g: (-load_of[g], g)):
         rank = min(range(dp_size), key=lambda r: (load[r], r))
-        shares[rank].extend(groups[g])
-        load[rank] += tokens[g]
+        shares[rank].extend(members[g])
+        load[rank] += load_of[g]
     return [sorted(s) for s in shares]
 
 
-def padded_length(samples: list[Sample], multiple: int) -> int:
-    longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    return int(math.ceil(longest / multiple) * multiple)
+def padded_length(seq_lens: torch.Tensor, multiple: int) -> int:
+    return int(math.ceil(int(seq_lens.max()) / multiple) * multiple)
 
 
 def micro_batches_for(rows: int, seq_len: int, max_tokens: int) -> int:
     return max(1, min(rows, math.ceil(rows * seq_len / max_tokens)))
 
 
-def routing_tensor(samples: list[Sample], rows: int, seq_len: int, shape: tuple[int, int]) -> torch.Tensor:
-    """[rows, seq_len, layers, top-k] int64: each sample's engine routing at its positions (prompt + response[:-1]);
-    elsewhere (the last token, whose output is never trained, and padding) experts 0..k-1, any valid choice."""
-    layers, k = shape
-    out = torch.arange(k).expand(rows, seq_len, layers, k).clone()
-    for i, s in enumerate(samples):
-        routed = torch.tensor(s.routed_experts, dtype=torch.int64)
-        positions = len(s.prompt_ids) + len(s.response_ids) - 1
-        if routed.numel() != positions * layers * k:
-            raise ValueError(f"sample {i}: the engine's routing has {routed.numel()} entries, expected {positions} "
-                             f"positions x {layers} layers x top-{k}")
-        out[i, :positions] = routed.view(positions, layers, k)
-    return out
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a step's samples become every DP rank's token batch: the same rows, sequence length and micro-batch count
+    everywhere; `shares[r]` are the sample indices DP rank r trains."""
+    shares: list[list[int]]
+    rows: int
+    seq_len: int
+    num_microbatches: int
 
-
-def token_batch(samples: list[Sample], rows: int, seq_len: int, pad_id: int,
-                routing_shape: tuple[int, int] | None = None) -> TokenBatch:
-    """A TokenBatch of exactly `rows` rows (padding rows at the end carry no loss), with the rollout log-probs (and,
-    given routing_shape = (layers, top-k) and samples carrying it, the engine's MoE routing)."""
-    prompts = [s.prompt_ids for s in samples]
-    responses = [s.response_ids for s in samples]
-    pad_rows = rows - len(samples)
-    if pad_rows < 0:
-        raise ValueError(f"{len(samples)} samples do not fit {rows} rows")
-    prompts += [[pad_id]] * pad_rows
-    responses += [[]] * pad_rows
-    input_ids, targets, mask = shift_sequences(prompts, responses, pad_id, seq_len)
-    for i, s in enumerate(samples):
-        if not s.trained:
-            mask[i] = 0
-        elif s.loss_mask is not None:  # observation tokens of a multi-turn sample are inputs, never targets
-            start = len(s.prompt_ids) - 1
-            mask[i, start:start + len(s.response_ids)] *= torch.tensor(s.loss_mask, dtype=mask.dtype)
-    rollout = place_response_values([s.rollout_log_probs for s in samples] + [[]] * pad_rows,
-                                    [len(p) for p in prompts], seq_len)
-    routed = routing_tensor(samples, rows, seq_len, routing_shape) \
-        if routing_shape and samples and samples[0].routed_experts is not None else None
-    return TokenBatch(input_ids=input_ids, targets=targets, loss_mask=mask, rollout_log_probs=rollout * mask,
-                      routed_experts=routed)
+    @classmethod
+    def make(cls, packed: PackedRollout, dp_size: int, seq_multiple: int, max_tokens_per_microbatch: int,
+             row_multiple: int = 1) -> "BatchPlan":
+        """The row count is a multiple of num_microbatches * row_multiple (mini-batches)."""
+        shares = shard_groups(packed.seq_lens, packed.group, dp_size)
+        seq_len = padded_length(packed.seq_lens, seq_multiple)
+        rows = max(len(s) for s in shares)
+        num_mb = micro_batches_for(rows // row_multiple or 1, seq_len, max_tokens_per_microbatch) * row_multiple
+        return cls(shares, int(math.ceil(rows / num_mb) * num_mb), seq_len, num_mb)  # equal micro-batches
 
 
 @dataclass
 class RankBatch:
-    """One DP rank's rows of a step (or mini-batch), and where they sit in the global sample list."""
+    """One DP rank's rows of a step: the token batch and the packed samples behind its first rows (padding follows)."""
     batch: TokenBatch
-    sample_index: list[int]  # global sample index of each real row (padding rows follow)
+    samples: PackedRollout
     num_microbatches: int
+
+    @property
+    def sample_index(self) -> list[int]:
+        """The step-wide index of each real row's sample."""
+        return self.samples.sample_index.tolist()
+
+
+def make_rank_batch(share: PackedRollout, plan: BatchPlan, pad_id: int,
+                    routing_shape: tuple[int, int] | None = None) -> RankBatch:
+    return RankBatch(share.token_batch(plan.rows, plan.seq_len, pad_id, routing_shape), share, plan.num_microbatches)
 
 
 def rank_batch(samples: list[Sample], dp_rank: int, dp_size: int, pad_id: int, seq_multiple: int,
                max_tokens_per_microbatch: int, row_multiple: int = 1,
                routing_shape: tuple[int, int] | None = None) -> RankBatch:
-    """This DP rank's rows; the row count is a multiple of num_microbatches * row_multiple (mini-batches)."""
-    shares = shard_groups(samples, dp_size)
-    seq_len = padded_length(samples, seq_multiple)
-    rows = max(len(s) for s in shares)
-    num_mb = micro_batches_for(rows // row_multiple or 1, seq_len, max_tokens_per_microbatch) * row_multiple
-    rows = int(math.ceil(rows / num_mb) * num_mb)  # equal micro-batches in every mini-batch
-    mine = shares[dp_rank]
-    return RankBatch(token_batch([samples[i] for i in mine], rows, seq_len, pad_id, routing_shape), mine, num_mb)
+    """This DP rank's rows when every rank holds all the samples (evaluation; the RL step uses dispatch instead)."""
+    packed = PackedRollout.from_samples(samples, routing=routing_shape is not None)
+    plan = BatchPlan.make(packed, dp_size, seq_multiple, max_tokens_per_microbatch, row_multiple)
+    return make_rank_batch(packed.select(plan.shares[dp_rank]), plan, pad_id, routing_shape)
 
+
+def token_batch(samples: list[Sample], rows: int, seq_len: int, pad_id: int,
+                routing_shape: tuple[int, int] | None = None) -> TokenBatch:
+    """The TokenBatch of `samples` in `rows` rows (see PackedRollout.token_batch)."""
+    return PackedRollout.from_samples(samples).token_batch(rows, seq_len, pad_id, routing_shape)

@@ -30,7 +30,8 @@ from ..reshard import TRANSPORTS, SyncConfig, TransportOptions, WeightSync
 from ..rewards import RewardPool
 from ..rollout import EngineClient, EngineRouter, SGLangServer
 from ..rollout.server import engine_server_config
-from .batching import RankBatch, rank_batch
+from .batching import BatchPlan, PackedRollout, RankBatch
+from .dispatch import dispatch
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .logging import MetricsLog, PhaseTimer
 from .preemption import StopRequest
@@ -56,7 +57,9 @@ class RLTrainer:
         from megatron.core import parallel_state as ps
 
         self.ps = ps
-        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.groups = parallel.groups()
+        self.dp_rank, self.dp_size = self.groups.dp_rank, self.groups.dp_size
+        self._samples, self._packed, self._plan = [], None, None  # rank 0: the step's rollout (see _collect)
         self.tok = ChatTokenizer.from_pretrained(self.model_path)
         updates = cfg.rl.steps * cfg.rl.ppo_epochs * cfg.rl.mini_batches
         self.policy = build_policy(folder, cfg.optim, updates, load=resolve_load(cfg),
@@ -144,22 +147,23 @@ class RLTrainer:
         cfg, timer = self.cfg, PhaseTimer()
         start = time.perf_counter()
 
-        # 1. Rollout: rank 0 asks the engines for n samples per prompt and scores them; every rank gets the samples.
+        # 1. Rollout: rank 0 asks the engines for n samples per prompt and scores them, packs them as tensors and
+        #    plans the step (whole groups per DP rank, balanced tokens, micro-batches by token budget).
         with timer("rollout"):
-            samples, stats = on_rank0(lambda: self.rollout.collect(self.stream, step))
+            stats = on_rank0(lambda: self._collect(step))
         self._engines("release_memory")  # colocated GPUs: the engine's memory goes to training (no-op on CPU)
 
-        # 2. This DP rank's rows: whole groups, balanced tokens, micro-batches by token budget.
-        rb = rank_batch(samples, self.dp_rank, self.dp_size, self.tok.pad_id,
-                        seq_multiple=self.ps.get_tensor_model_parallel_world_size(),
-                        max_tokens_per_microbatch=cfg.rl.max_tokens_per_microbatch, row_multiple=cfg.rl.mini_batches,
-                        routing_shape=self.routing_shape if cfg.rollout.engine_routing else None)
+        # 2. This DP rank's rows, and only those, arrive as tensors (megarl.trainer.dispatch).
+        with timer("dispatch"):
+            got = dispatch(self._packed, self._plan, self.groups)
+            rb = RankBatch(got.share.token_batch(got.rows, got.seq_len, self.tok.pad_id, self._routing_shape()),
+                           got.share, got.num_microbatches)
         batch = rb.batch
         engine_routing = batch.routed_experts  # MoE: the experts the engine used; replayed only with R3
         if not cfg.rollout.routing_replay:
             batch.routed_experts = None
         if cfg.rl.dump_rollouts:
-            self._dump(step, samples, rb)
+            self._dump(step, rb)
 
         # 3. Reference and old-policy log-probs of the engine's tokens.
         with timer("ref"):
@@ -171,7 +175,7 @@ class RLTrainer:
                 if cfg.rollout.old_log_probs == "recompute" else batch.rollout_log_probs
         mismatch = self._mismatch(batch) if cfg.rollout.old_log_probs == "recompute" else {}
         if routing is not None:
-            mismatch.update(self._routing_metrics(routing, engine_routing, samples, rb))
+            mismatch.update(self._routing_metrics(routing, engine_routing, rb))
 
         # 4. Advantages (groups are whole on this rank; batch-level statistics reduce over DP); with a critic, its
         #    values at rollout time and GAE returns.
@@ -180,7 +184,7 @@ class RLTrainer:
                 batch.old_values = _on_every_stage(compute_values(self.critic.model, batch, rb.num_microbatches),
                                                    batch.loss_mask)
         with timer("advantages"):
-            batch.advantages, batch.returns = self._advantages(samples, rb)
+            batch.advantages, batch.returns = self._advantages(rb)
 
         # 5. PPO epochs x mini-batches, each one optimizer step through Megatron's schedule.
         train = []
@@ -206,30 +210,44 @@ class RLTrainer:
             sync_stats = self.sync_weights(f"step-{step}")
 
         metrics = {k: sum(t[k] for t in train) / len(train) for k in train[0]}
-        metrics.update(rollout_metrics(samples), **stats, **mismatch, **timer.take())
+        metrics.update(**stats, **mismatch, **timer.take())
         metrics.update({f"reshard/{k}": v for k, v in sync_stats.items() if isinstance(v, (int, float))})
         elapsed = time.perf_counter() - start
-        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        metrics.update({"time/step_s": elapsed, "perf/tokens_per_s": tokens / elapsed,
-                        "rollout/stale_weight_frac": sum(s.extra.get("weight_version") != f"step-{step - 1}"
-                                                         for s in samples) / len(samples) if step > 1 else 0.0})
+        metrics.update({"time/step_s": elapsed, "dispatch/bytes_received": got.bytes_received})
+        if self.rank == 0:  # the samples' own metrics: rank 0 holds them (and alone logs)
+            samples = self._samples
+            metrics.update(rollout_metrics(samples))
+            metrics.update({"perf/tokens_per_s": int(self._packed.seq_lens.sum()) / elapsed,
+                            "rollout/stale_weight_frac": sum(s.extra.get("weight_version") != f"step-{step - 1}"
+                                                             for s in samples) / len(samples) if step > 1 else 0.0})
         return metrics
 
-    def _dump(self, step: int, samples, rb: RankBatch) -> None:
+    def _routing_shape(self) -> tuple[int, int] | None:
+        return self.routing_shape if self.cfg.rollout.engine_routing else None
+
+    def _collect(self, step: int) -> dict:
+        """Rank 0: the step's samples (kept for metrics), packed, and the step's plan; returns rollout statistics."""
+        cfg = self.cfg
+        self._samples, stats = self.rollout.collect(self.stream, step)
+        self._packed = PackedRollout.from_samples(self._samples, routing=self._routing_shape() is not None)
+        self._plan = BatchPlan.make(self._packed, self.dp_size, self.ps.get_tensor_model_parallel_world_size(),
+                                    cfg.rl.max_tokens_per_microbatch, row_multiple=cfg.rl.mini_batches)
+        return stats
+
+    def _dump(self, step: int, rb: RankBatch) -> None:
         """Rank 0: the engine's samples; the first TP/PP rank of each DP rank: the token rows it trains on."""
         folder = os.path.join(self.cfg.run_dir, "rollouts")
         os.makedirs(folder, exist_ok=True)
         if self.rank == 0:
             with open(os.path.join(folder, f"step_{step:06d}.jsonl"), "w") as f:
-                for s in samples:
+                for s in self._samples:
                     f.write(json.dumps({"group": s.group, "prompt_ids": s.prompt_ids, "response_ids": s.response_ids,
                                         "rollout_log_probs": s.rollout_log_probs, "reward": s.reward,
                                         "finish_reason": s.finish_reason, "loss_mask": s.loss_mask,
                                         "extra": s.extra}) + "\n")
         if self.ps.get_tensor_model_parallel_rank() == 0 and self.ps.is_pipeline_first_stage(ignore_virtual=True):
             with open(os.path.join(folder, f"step_{step:06d}.dp{self.dp_rank}.train.jsonl"), "w") as f:
-                for row, index in enumerate(rb.sample_index):
-                    n = len(samples[index].prompt_ids) + len(samples[index].response_ids)
+                for row, (index, n) in enumerate(zip(rb.sample_index, rb.samples.seq_lens.tolist())):
                     f.write(json.dumps({"sample": index, "input_ids": rb.batch.input_ids[row, :n].tolist(),
                                         "trained": rb.batch.targets[row][rb.batch.loss_mask[row] > 0].tolist()})
                             + "\n")
@@ -266,14 +284,14 @@ class RLTrainer:
         return {"mismatch/logprob_abs_diff": float(sums[0] / sums[1].clamp(min=1)),
                 "mismatch/logprob_abs_diff_max": float(peak[0])}
 
-    def _routing_metrics(self, routing: RoutingStats, engine_routing: torch.Tensor, samples, rb: RankBatch) -> dict:
+    def _routing_metrics(self, routing: RoutingStats, engine_routing: torch.Tensor, rb: RankBatch) -> dict:
         """MoE: how often the routing of the old-log-prob forward (the trainer's own, or the engine's under R3) picked
         the engine's experts, over each sample's positions but its last (whose output is never trained); expert load
         balance and dropped tokens. Summed over all ranks (each pipeline stage holds its own layers)."""
         routing.close()
-        positions = torch.zeros(rb.batch.input_ids.shape)
-        for row, index in enumerate(rb.sample_index):
-            positions[row, :len(samples[index].prompt_ids) + len(samples[index].response_ids) - 1] = 1
+        positions = (torch.arange(rb.batch.input_ids.shape[1]) < rb.samples.seq_lens[:, None] - 1).float()
+        positions = torch.cat([positions, positions.new_zeros(rb.batch.input_ids.shape[0] - len(positions),
+                                                              positions.shape[1])])
         stats = torch.cat([routing.agreement(engine_routing, positions, rb.num_microbatches), routing.assignments()])
         load = routing.load(self.bridge.config.num_layers, self.bridge.config.num_moe_experts)
         dist.all_reduce(stats)
@@ -281,11 +299,10 @@ class RLTrainer:
         return {"moe/routing_agreement": float(stats[0] / stats[1].clamp(min=1)),
                 "moe/dropped_token_frac": float(1 - stats[2] / stats[3].clamp(min=1)), **load_balance_metrics(load)}
 
-    def _advantages(self, samples, rb: RankBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg, batch, real = self.cfg.algorithm, rb.batch, len(rb.sample_index)
+    def _advantages(self, rb: RankBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, batch, real = self.cfg.algorithm, rb.batch, rb.samples.num_samples
         advantages, returns = torch.zeros_like(batch.loss_mask), torch.zeros_like(batch.loss_mask)
-        scores = torch.tensor([samples[i].score for i in rb.sample_index], dtype=torch.float32)
-        groups = torch.tensor([samples[i].group for i in rb.sample_index])
+        scores, groups = rb.samples.score, rb.samples.group
         kl = None
         if cfg.kl_in_reward and batch.ref_log_probs is not None:
             kl = kl_estimate(batch.old_log_probs[:real], batch.ref_log_probs[:real], cfg.kl_estimator)
@@ -293,6 +310,7 @@ class RLTrainer:
         adv, ret = compute_advantages(cfg.advantage_estimator, scores=scores, group_ids=groups,
                                       mask=batch.loss_mask[:real], kl=kl, kl_coef=cfg.kl_coef, gamma=cfg.gamma,
                                       lam=cfg.lam, reward_weights=cfg.reward_weights, values=values,
+                                      std_normalize=cfg.std_normalize, whiten_advantages=cfg.whiten_advantages,
                                       group=self.ps.get_data_parallel_group())
         advantages[:real], returns[:real] = adv, ret
         return advantages, returns
