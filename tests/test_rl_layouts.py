@@ -1,6 +1,8 @@
 """Layout invariance: one RL batch with unequal sequence lengths gives the same gradients and global metrics at
-TP 1/2, PP 1/2 (and VPP), DP 1/2 and 1/2/4 micro-batches, for every aggregation mode."""
+TP 1/2, PP 1/2 (and VPP), DP 1/2 and 1/2/4 micro-batches, for every aggregation mode, and for the policy losses of
+the algorithm zoo (several configs per multi-rank run)."""
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -78,3 +80,59 @@ def test_sft_gradients_do_not_depend_on_layout(name, layout, world, micro_batche
     results = run_ranks(world, ranks.rl_grads, tiny_model_dir(FAMILY), layout, _batch(), cfg, micro_batches, "sft")
     _assert_same_grads(results, ref)
     assert abs(results[-1]["metrics"]["nll"] - ref["metrics"]["nll"]) < 1e-5 and ref["metrics"]["nll"] > 1
+
+
+# The algorithm zoo's policy losses (and the straight-through KL), several configs in one multi-rank run per layout.
+ZOO = {"gmpo": dict(policy_loss="gmpo", clip_eps_low=0.1, clip_eps_high=0.1, aggregation="seq-mean-token-mean"),
+       "sapo": dict(policy_loss="sapo", kl_estimator="k3+"),
+       "aspo": dict(policy_loss="aspo", dual_clip=1.2, aggregation="token-sum"),
+       "adv_reweight": dict(policy_loss="adv_reweight", kl_estimator="abs+")}
+
+
+def _zoo_configs():
+    return [replace(_config("token-mean"), **kwargs).validate() for kwargs in ZOO.values()]
+
+
+def _rl_grads_per_config(path, layout, global_batch, cfgs, num_microbatches):
+    """ranks.rl_grads for several configs on one model build: [{"grads", "metrics"}] in the order of cfgs."""
+    from megarl.losses import forward_backward, prepare_global_batch, reduce_metrics
+
+    ps, bridge, chunks = ranks.build(path, **layout)
+    model = ranks.wrap_ddp(chunks)
+    local, _ = ranks.dp_share(global_batch)
+    out = []
+    for cfg in cfgs:
+        batch = prepare_global_batch(local, cfg.aggregation, cfg.norm_length, dp_group=ps.get_data_parallel_group())
+        for m in model:
+            m.zero_grad_buffer()
+        metrics = reduce_metrics(forward_backward(model, batch, num_microbatches, cfg, bridge.vocab_size))
+        out.append({"grads": dict(bridge.export_hf_weights(chunks, grads=True)), "metrics": metrics})
+    return out
+
+
+@functools.cache
+def _zoo_reference():
+    (result,) = run_ranks(1, _rl_grads_per_config, tiny_model_dir(FAMILY), {}, _batch(), _zoo_configs(), 1)
+    return result
+
+
+def test_zoo_losses_are_exercised_and_differ():
+    ref = dict(zip(ZOO, _zoo_reference()))
+    assert ref["gmpo"]["metrics"]["clip_frac_low"] + ref["gmpo"]["metrics"]["clip_frac_high"] > 0
+    assert ref["aspo"]["metrics"]["dual_clip_frac"] > 0
+    ppo = _reference("token-mean")["grads"]
+    for name, result in ref.items():  # each loss really changes the gradient
+        key = next(iter(ppo))
+        assert not torch.allclose(result["grads"][key], ppo[key], atol=1e-6), name
+
+
+@pytest.mark.parametrize("name,layout,world,micro_batches", LAYOUTS, ids=[l[0] for l in LAYOUTS])
+def test_zoo_gradients_do_not_depend_on_layout(name, layout, world, micro_batches):
+    per_rank = run_ranks(world, _rl_grads_per_config, tiny_model_dir(FAMILY), layout, _batch(), _zoo_configs(),
+                         micro_batches)
+    for index, (loss_name, ref) in enumerate(zip(ZOO, _zoo_reference())):
+        _assert_same_grads([r[index] for r in per_rank], ref)
+        for r in per_rank:
+            for key in ("loss", "pg_loss", "kl", "ratio_p50", "ratio_p95"):
+                assert abs(r[index]["metrics"][key] - ref["metrics"][key]) <= \
+                    1e-5 * max(1.0, abs(ref["metrics"][key])), (loss_name, key)

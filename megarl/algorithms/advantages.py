@@ -4,8 +4,9 @@ Conventions: `mask` [b, s] is 1 on response tokens whose log-prob is trained; `s
 sequence (GDPO: [b, k], one column per reward); `group_ids` [b] says which prompt a sample belongs to (the n samples of
 one prompt share an id). Every estimator returns (advantages [b, s], returns [b, s]), zero outside the mask.
 
-Batch-level statistics (REINFORCE++ whitening) reduce over `group`, the data-parallel process group, so the result
-does not depend on how the global batch is split across ranks; a prompt's samples must sit on one rank.
+Batch-level statistics (the whitening of REINFORCE++, GDPO and whitened GAE; GPG's alpha) reduce over `group`, the
+data-parallel process group, so the result does not depend on how the global batch is split across ranks; group
+statistics need a prompt's samples on one rank.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
 register_advantage = registrar(ADVANTAGE_ESTIMATORS)
 # Estimators whose baseline comes from the other samples of the same prompt: with one sample per prompt every
 # advantage is 0 (or, for rloo, undefined). TrainConfig.validate checks rollout.n_samples against this.
-NEEDS_GROUPS = {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo"}
+NEEDS_GROUPS = {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo", "maxrl", "opo", "gpg", "grpo_passk"}
+# Estimators that honour algorithm.std_normalize (divide by the group's reward std).
+STD_NORMALIZED = {"grpo", "grpo_passk", "gdpo"}
 
 
 def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor):
@@ -34,13 +37,19 @@ def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor):
     return mean[inverse], std[inverse], counts[inverse]
 
 
+def _global_sum(values: torch.Tensor, group) -> torch.Tensor:
+    """values summed over the data-parallel group (float64), so batch statistics do not depend on the DP split."""
+    values = values.double()
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(values, group=group)
+    return values
+
+
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, group=None, eps: float = 1e-8,
                   shift_mean: bool = True) -> torch.Tensor:
     """(values - mean) / std over the masked tokens of the whole (global) batch."""
-    stats = torch.stack([(values * mask).sum(), mask.sum(), (values ** 2 * mask).sum()]).double()
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(stats, group=group)
-    total, count, total_sq = stats
+    total, count, total_sq = _global_sum(torch.stack([(values * mask).sum(), mask.sum(), (values ** 2 * mask).sum()]),
+                                         group)
     mean = total / count
     var = (total_sq / count - mean ** 2) * count / (count - 1).clamp(min=1)  # unbiased
     whitened = (values - mean.to(values.dtype)) * torch.rsqrt(var.to(values.dtype) + eps)
@@ -74,11 +83,14 @@ def last_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
 @register_advantage("gae")
 def gae(*, values: torch.Tensor, mask: torch.Tensor, token_rewards: torch.Tensor | None = None,
         scores: torch.Tensor | None = None, kl: torch.Tensor | None = None, kl_coef: float = 0.0,
-        gamma: float = 1.0, lam: float = 0.95, **_):
-    """Generalised advantage estimation with a critic's values [b, s] (value of the state before each token).
+        gamma: float = 1.0, lam: float = 0.95, whiten_advantages: bool = False, group=None, **_):
+    """Generalised advantage estimation (arXiv:1506.02438) with a critic's values [b, s] (value of the state before
+    each token): A_t = sum_l (gamma*lam)^l delta_{t+l}, delta_t = r_t + gamma V_{t+1} - V_t; returns A_t + V_t.
 
     Rewards are token_rewards, or else the sequence scores on the last token minus kl_coef * kl on every token
-    (KL in the reward)."""
+    (KL in the reward). whiten_advantages (algorithm.whiten_advantages) whitens the advantages over the masked tokens
+    of the global batch (mean 0, std 1, reduced over `group`), as PPO implementations usually do; the returns the
+    critic regresses on are computed before whitening."""
     if token_rewards is None:
         token_rewards = last_token_rewards(scores, mask)
         if kl is not None and kl_coef:
@@ -93,14 +105,19 @@ def gae(*, values: torch.Tensor, mask: torch.Tensor, token_rewards: torch.Tensor
         next_value = values[:, t] * m + next_value * (1 - m)
         advantages[:, t] = running
     advantages = advantages * mask
-    return advantages, (advantages + values) * mask
+    returns = (advantages + values) * mask
+    if whiten_advantages:
+        advantages = masked_whiten(advantages, mask, group)
+    return advantages, returns
 
 
 @register_advantage("grpo")
-def grpo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6, **_):
-    """GRPO: (r - group mean) / (group std + eps), the same for every token of the sample."""
+def grpo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6,
+         std_normalize: bool = True, **_):
+    """GRPO (arXiv:2402.03300): (r - group mean) / (group std + eps), the same for every token of the sample; with
+    std_normalize=False, r - group mean (= dr_grpo)."""
     mean, std, _ = _group_stats(scores, group_ids)
-    adv = (scores - mean) / (std + eps)
+    adv = (scores - mean) / (std + eps) if std_normalize else scores - mean
     return _broadcast(adv, mask), _broadcast(scores, mask)
 
 
@@ -144,9 +161,11 @@ def reinforce_plus_plus_baseline(*, scores: torch.Tensor, group_ids: torch.Tenso
 
 @register_advantage("gdpo")
 def gdpo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, reward_weights=None,
-         eps: float = 1e-6, group=None, **_):
-    """GDPO (multi-reward): normalise each reward column within its group, combine with reward_weights, then whiten
-    the combined advantage over the global batch."""
+         eps: float = 1e-6, group=None, std_normalize: bool = True, **_):
+    """GDPO (multi-reward, arXiv:2601.05242): normalise each reward column k within its group,
+    (r_k - mean_k) / (std_k + eps), combine with reward_weights, then whiten the combined advantage over the global
+    batch. std_normalize=False keeps only the per-reward centring, r_k - mean_k (GDPO without std normalisation);
+    the batch whitening stays."""
     if scores.dim() != 2:
         raise ValueError(f"gdpo needs scores of shape [batch, n_rewards], got {tuple(scores.shape)}")
     weights = torch.ones(scores.shape[1]) if reward_weights is None else torch.as_tensor(reward_weights,
@@ -156,9 +175,75 @@ def gdpo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, r
     combined = torch.zeros(scores.shape[0], dtype=scores.dtype)
     for k in range(scores.shape[1]):
         mean, std, _ = _group_stats(scores[:, k], group_ids)
-        combined = combined + weights[k] * (scores[:, k] - mean) / (std + eps)
+        centred = scores[:, k] - mean
+        combined = combined + weights[k] * (centred / (std + eps) if std_normalize else centred)
     adv = masked_whiten(_broadcast(combined, mask), mask, group)
     return adv, _broadcast(scores @ weights, mask)
+
+
+@register_advantage("maxrl")
+def maxrl(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, **_):
+    """MaxRL, Maximum Likelihood RL (arXiv:2602.02710): A_i = (r_i - mean_g) / mean_g = N r_i / K - 1 for a group of
+    N samples with K = sum_i r_i successes; 0 for a group without success (mean_g = 0).
+
+    The MaxRL estimator (1/K) sum_i r_i grad log pi(y_i) is unbiased for the gradient of
+    -sum_{k<=N} (1 - p)^k / k, which interpolates between pass@1 RL (N = 1) and maximum likelihood log p (N -> inf):
+    it normalises by the number of successes K instead of the number of samples N. With the zero-mean control variate
+    (1/N) sum_i grad log pi(y_i) this is sum_i (r_i / K - 1/N) grad log pi(y_i); megarl multiplies by N so the scale
+    matches GRPO's per-sample advantages (a constant factor per group size). Meant for rewards in [0, 1] (binary
+    correctness); a group with mean <= 0 gets 0."""
+    mean, _, _ = _group_stats(scores, group_ids)
+    safe = torch.where(mean > 0, mean, torch.ones_like(mean))
+    adv = torch.where(mean > 0, (scores - mean) / safe, torch.zeros_like(scores))
+    return _broadcast(adv, mask), _broadcast(scores, mask)
+
+
+@register_advantage("opo")
+def opo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, **_):
+    """OPO, On-Policy RL with the Optimal reward baseline (arXiv:2505.23585): A_i = r_i - b_g with the
+    length-weighted baseline b_g = sum_j |o_j| r_j / sum_j |o_j| over the group (|o_j| = response tokens of sample j),
+    the variance-minimising baseline when the gradient norm grows with length. A group of one sample has b = 0."""
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    lengths = mask.sum(-1).to(scores.dtype)
+    weighted = torch.zeros(counts.shape[0], dtype=scores.dtype).index_add_(0, inverse, lengths * scores)
+    total = torch.zeros(counts.shape[0], dtype=scores.dtype).index_add_(0, inverse, lengths)
+    baseline = torch.where((counts > 1) & (total > 0), weighted / total.clamp(min=1e-12), torch.zeros_like(total))
+    return _broadcast(scores - baseline[inverse], mask), _broadcast(scores, mask)
+
+
+@register_advantage("gpg")
+def gpg(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, group=None, **_):
+    """GPG, Group Policy Gradient (arXiv:2504.02546): A_i = alpha * (r_i - group mean) (F_norm = 1: no std
+    division), with alpha = B / (B - M), B the samples of the global batch and M those in groups whose rewards are
+    all equal (their advantage is 0, so without alpha they would dilute the batch gradient). B and M are summed over
+    `group` (the data-parallel group). Pair with policy_loss=reinforce (GPG's loss is -A log pi, no ratio or clip).
+
+    Documented choice: alpha follows the paper's invalid-sample count; verl's gpg uses B / count_nonzero(scores)."""
+    mean, std, counts = _group_stats(scores, group_ids)
+    invalid = ((std == 0) | (counts < 2)).to(scores.dtype)
+    total, n_invalid = _global_sum(torch.stack([torch.tensor(float(scores.shape[0])), invalid.sum()]), group)
+    alpha = (total / (total - n_invalid).clamp(min=1)).to(scores.dtype)
+    return _broadcast(alpha * (scores - mean), mask), _broadcast(scores, mask)
+
+
+@register_advantage("grpo_passk")
+def grpo_passk(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6,
+               std_normalize: bool = True, **_):
+    """GRPO pass@k (arXiv:2503.19595, verl's grpo_passk): optimise the best-of-group (pass@k with k = group size)
+    instead of pass@1. Only each group's best sample gets an advantage, r_max - r_second_max (divided by the group's
+    std + eps with std_normalize); every other sample gets 0. Ties at the top give 0, so which tied sample is
+    "best" does not matter."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    _, std, counts = _group_stats(scores, group_ids)
+    if bool((counts < 2).any()):
+        raise ValueError("grpo_passk needs at least 2 samples per prompt (rollout.n_samples >= 2)")
+    adv = torch.zeros_like(scores)
+    for g in range(int(inverse.max()) + 1 if inverse.numel() else 0):
+        members = torch.nonzero(inverse == g)[:, 0]
+        top, where = torch.topk(scores[members], 2)
+        gap = top[0] - top[1]
+        adv[members[where[0]]] = gap / (std[members[0]] + eps) if std_normalize else gap
+    return _broadcast(adv, mask), _broadcast(scores, mask)
 
 
 def compute_advantages(name: str, **inputs):

@@ -4,6 +4,8 @@ Every mode is sum_t loss_t * w_t with w_t fixed before the batch is split into m
 context-parallel shards, so the gradient does not depend on that split:
 
   token-mean               w = 1 / (response tokens in the global batch)
+  token-sum                w = 1                                               (the plain sum: the gradient grows
+                                                                                with the batch; no normalisation)
   seq-mean-token-sum       w = 1 / (sequences in the global batch)
   seq-mean-token-mean      w = 1 / (len(sequence) * sequences in the global batch)
   seq-mean-token-sum-norm  w = 1 / (norm_length * sequences in the global batch)     (Dr. GRPO; norm_length is a
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def global_counts(mask: torch.Tensor, group=None) -> tuple[float, float]:
@@ -35,6 +37,8 @@ def loss_weights(mask: torch.Tensor, mode: str, num_tokens: float, num_seqs: flo
     mask = mask.to(torch.float32)
     if mode == "token-mean":
         return mask / max(num_tokens, 1.0)
+    if mode == "token-sum":
+        return mask
     if mode == "seq-mean-token-sum":
         return mask / max(num_seqs, 1.0)
     if mode == "seq-mean-token-mean":

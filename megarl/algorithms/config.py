@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import UserError
-from .advantages import ADVANTAGE_ESTIMATORS
+from .advantages import ADVANTAGE_ESTIMATORS, STD_NORMALIZED
 from .aggregation import AGGREGATIONS
 from .kl import KL_ESTIMATORS
 from .mismatch import MISMATCH_MODES
@@ -43,7 +43,16 @@ class AlgorithmConfig:
     use_critic: bool = False
     value_clip: Optional[float] = 0.2
     reward_weights: Optional[list] = None  # gdpo: one weight per reward
+    std_normalize: bool = True  # grpo / grpo_passk / gdpo: divide by the group's reward std (false: centre only)
+    whiten_advantages: bool = False  # gae: whiten the advantages over the global batch
+    sapo_tau_pos: float = 1.0  # sapo: gate temperature for A > 0
+    sapo_tau_neg: float = 1.05  # sapo: gate temperature for A <= 0
+    adv_reweight_alpha: float = 0.3  # adv_reweight: A * (alpha * p_t + 1 - alpha)
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    # Log-probs and entropy straight from the final hidden states and the output weight, chunked over tokens: the
+    # [tokens, vocab/tp] logits and their gradient never exist (megarl/losses/fused_linear.py). Same values and
+    # gradients as false (tested); false runs the model's own output layer and reads its logits.
+    fused_logprobs: bool = True
 
     def validate(self) -> "AlgorithmConfig":
         _choice("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
@@ -92,6 +101,23 @@ class AlgorithmConfig:
                                        "seq-mean-token-sum-norm (or token-mean).")
         if self.reward_weights is not None and self.advantage_estimator != "gdpo":
             raise AlgorithmConfigError("algorithm.reward_weights is only used by advantage_estimator=gdpo.")
+        if not self.std_normalize and self.advantage_estimator not in STD_NORMALIZED:
+            raise AlgorithmConfigError(
+                f"algorithm.std_normalize=false has no effect with advantage_estimator={self.advantage_estimator!r}. "
+                f"Fix: use one of {sorted(STD_NORMALIZED)}, or drop std_normalize.")
+        if self.whiten_advantages and self.advantage_estimator != "gae":
+            raise AlgorithmConfigError(
+                f"algorithm.whiten_advantages=true is only used by advantage_estimator=gae (got "
+                f"{self.advantage_estimator!r}, which normalises its own advantages). Fix: whiten_advantages: false.")
+        if self.policy_loss == "aspo" and self.dual_clip is None:
+            raise AlgorithmConfigError("algorithm.policy_loss=aspo needs algorithm.dual_clip (its soft dual clip "
+                                       "bounds the flipped ratio pi_old/pi). Fix: dual_clip: 3.0.")
+        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0:
+            raise AlgorithmConfigError(f"algorithm.sapo_tau_pos={self.sapo_tau_pos} / sapo_tau_neg="
+                                       f"{self.sapo_tau_neg} must be > 0 (gate temperatures). Fix: e.g. 1.0 / 1.05.")
+        if not 0 <= self.adv_reweight_alpha <= 1:
+            raise AlgorithmConfigError(f"algorithm.adv_reweight_alpha={self.adv_reweight_alpha} must be in [0, 1] "
+                                       "(the weight alpha * p_t + 1 - alpha must stay positive). Fix: e.g. 0.3.")
         return self
 
 

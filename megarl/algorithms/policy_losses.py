@@ -72,6 +72,86 @@ def reinforce(log_prob, old_log_prob, advantages, mask, cfg, seq_sum):
     return -advantages * log_prob, {"ratio": torch.exp(log_prob - old_log_prob).detach()}
 
 
+@register_policy_loss("gmpo")
+def gmpo(log_prob, old_log_prob, advantages, mask, cfg, seq_sum):
+    """GMPO, Geometric-Mean Policy Optimization (arXiv:2507.20673): maximise the geometric mean of the token-level
+    clipped ratios, J_i = A_i * exp((1/|o_i|) sum_t l~_t), instead of their arithmetic mean.
+
+    l_t = log(pi/pi_old) is clipped in log space, pessimistically for the sign of A (as PPO's min):
+    l~_t = sgn(A) * min(sgn(A) * l_t, sgn(A) * clamp(l_t, -clip_eps_low, clip_eps_high)), so with GMPO
+    algorithm.clip_eps_low/high bound the *log*-ratio (the paper uses 0.4 for both, i.e. ratios in
+    [e^-0.4, e^0.4]). Token form, as for GSPO: loss_t = -A_t * sg(R_i) * exp(l~_t - sg(l~_t)) with
+    R_i = exp(mean_t l~_t); its value is the sequence's -A R and its gradient -A R grad(l~_t), so under
+    aggregation=seq-mean-token-mean the total is exactly GMPO's -mean_i A_i R_i (other aggregations weight the same
+    sequence terms by their token counts). With per-token advantages (e.g. GAE) each token uses its own A_t."""
+    log_ratio = log_prob - old_log_prob
+    sign = torch.sign(advantages)
+    clamped = log_ratio.clamp(-cfg.clip_eps_low, cfg.clip_eps_high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    seq_log_ratio = seq_sum(pessimistic * mask) / seq_sum(mask.float()).clamp(min=1)
+    seq_ratio = torch.exp(seq_log_ratio)[:, None]
+    loss = -advantages * seq_ratio * torch.exp(pessimistic - pessimistic.detach())
+    stats = {"clip_frac_low": ((log_ratio < -cfg.clip_eps_low) & (advantages < 0)).float(),
+             "clip_frac_high": ((log_ratio > cfg.clip_eps_high) & (advantages > 0)).float(),
+             "ratio": (seq_ratio * torch.ones_like(log_ratio)).detach()}
+    return loss, stats
+
+
+@register_policy_loss("sapo")
+def sapo(log_prob, old_log_prob, advantages, mask, cfg, seq_sum):
+    """SAPO, Soft Adaptive Policy Optimization (arXiv:2511.20347): a smooth gate instead of the hard clip,
+    loss_t = -f(r_t) * A_t with f(r) = sigmoid(tau (r - 1)) * 4 / tau, tau = sapo_tau_pos for A > 0 and
+    sapo_tau_neg otherwise. f'(r) = 4 sigmoid (1 - sigmoid) is 1 at r = 1 (on-policy: the plain policy gradient)
+    and decays smoothly as r leaves 1, so off-policy tokens are down-weighted rather than cut off. The log-ratio is
+    clamped to [-20, 20] (as verl does) so exp cannot overflow into a 0 * inf gradient."""
+    ratio = torch.exp((log_prob - old_log_prob).clamp(-20.0, 20.0))
+    tau = torch.where(advantages > 0, torch.full_like(ratio, cfg.sapo_tau_pos),
+                      torch.full_like(ratio, cfg.sapo_tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
+    return -gate * advantages, {"ratio": ratio.detach()}
+
+
+@register_policy_loss("aspo")
+def aspo(log_prob, old_log_prob, advantages, mask, cfg, seq_sum):
+    """ASPO, Asymmetric Importance Sampling Policy Optimization (arXiv:2510.06062).
+
+    Negative-advantage tokens: the PPO clip, loss = -A * max(r, 1 - clip_eps_low). Positive-advantage tokens use the
+    flipped ratio: with r^ = min(r, 1 + clip_eps_high), loss = -A * (r^ / sg(r^)) / sg(r^), whose gradient is
+    -A * grad(log pi) / r (weight pi_old / pi instead of pi / pi_old; 0 once clipped) and value -A / r^.
+    Soft dual clip (c = algorithm.dual_clip): where the weight would exceed c (r > c for A < 0, r < 1/c for A > 0)
+    the token's gradient is -A * c * grad(log pi), bounded but not cut off; its value is the hard dual clip's -A * c.
+    Documented choice: the authors' code (Archer2.0) writes that branch as -A * c * log pi, which has the same
+    gradient; megarl uses -A * c * pi / sg(pi) so the loss value stays the dual-clip bound. Archer2.0's separate
+    clip ranges for high-/low-entropy tokens are not part of ASPO and are not implemented here."""
+    ratio = torch.exp((log_prob - old_log_prob).clamp(-20.0, 20.0))
+    c = cfg.dual_clip
+    unit = torch.exp(log_prob - log_prob.detach())  # value 1, gradient grad(log pi)
+    negative = ratio.clamp(min=1 - cfg.clip_eps_low)
+    positive = ratio.clamp(max=1 + cfg.clip_eps_high)
+    neg_loss = torch.where(negative > c, -advantages * c * unit, -advantages * negative)
+    pos_dual = 1 / positive.detach() > c
+    flipped = (positive / positive.detach()) / positive.detach()
+    pos_loss = torch.where(pos_dual, -advantages * c * unit, -advantages * flipped)
+    loss = torch.where(advantages > 0, pos_loss, neg_loss)
+    stats = {"clip_frac_low": ((ratio < 1 - cfg.clip_eps_low) & (advantages < 0)).float(),
+             "clip_frac_high": ((ratio > 1 + cfg.clip_eps_high) & (advantages > 0)).float(),
+             "dual_clip_frac": (((advantages < 0) & (negative > c)) | ((advantages > 0) & pos_dual)).float(),
+             "ratio": ratio.detach()}
+    return loss, stats
+
+
+@register_policy_loss("adv_reweight")
+def adv_reweight(log_prob, old_log_prob, advantages, mask, cfg, seq_sum):
+    """Advantage Reweighting, from "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs"
+    (arXiv:2505.12929): the PPO clip loss (ppo_clip, with its clip bounds and dual clip) on the reweighted advantage
+    A~_t = (alpha * p_t + 1 - alpha) * A_t, alpha = algorithm.adv_reweight_alpha, p_t = sg(pi(o_t)) the token's
+    probability under the current policy (at algorithm.temperature), so low-probability tokens, whose gradients are
+    large, no longer dominate the update. The weight is positive, so the clip keeps the sign logic of PPO."""
+    weight = cfg.adv_reweight_alpha * torch.exp(log_prob.detach()) + (1 - cfg.adv_reweight_alpha)
+    loss, stats = ppo_clip(log_prob, old_log_prob, advantages * weight, mask, cfg, seq_sum)
+    return loss, dict(stats, adv_weight=weight)
+
+
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None):
     """Clipped value loss for the critic: 0.5 * max((v - R)^2, (v_clip - R)^2), v_clip within +-clip of v_old."""
     unclipped = (values - returns) ** 2
