@@ -63,6 +63,25 @@ def on_rank0(fn: Callable[[], T], group=None) -> T | None:
     return value
 
 
+class PeerFailed(UserError):
+    """Raised by a rank that stopped because another rank of its group hit a UserError (see on_ranks)."""
+
+
+def on_ranks(fn: Callable[[], T], here: bool, group=None) -> T | None:
+    """fn() on the ranks where `here` is true; every rank of `group` then raises the lowest rank's UserError, if any
+    rank raised one. A collective. A rank that stopped because of a peer (PeerFailed) defers to the peer's error."""
+    error, result = None, None
+    if here:
+        try:
+            result = fn()
+        except PeerFailed:
+            pass
+        except UserError as e:
+            error = e
+    agree(error, group)
+    return result
+
+
 def agree(error: UserError | None, group=None) -> None:
     """Every rank passes the UserError it hit (or None); all raise the lowest rank's error, or none does.
     A collective: lets a check that runs on every rank (e.g. a folder each rank reads) fail on all of them together."""
@@ -71,9 +90,9 @@ def agree(error: UserError | None, group=None) -> None:
     world = dist.get_world_size(group)
     found = [None] * world
     dist.all_gather_object(found, None if error is None else (str(error), type(error).__name__), group=group)
-    first = next((f for f in found if f is not None), None)
-    if first is None:
+    index = next((i for i, f in enumerate(found) if f is not None), None)
+    if index is None:
         return
-    if error is not None and str(error) == first[0]:
+    if index == dist.get_rank(group):  # the lowest rank that saw an error says it; the others stay quiet
         raise error
-    raise RemoteUserError(*first)
+    raise RemoteUserError(*found[index])

@@ -215,7 +215,8 @@ def _status_kb(field: str) -> int:
 
 
 def sync_peak_memory(path, url, layout, bucket_bytes):
-    """Extra resident memory (peak minus start) of one sync on each rank, after a first warm-up sync."""
+    """Extra resident memory (peak minus start) of a sync on each rank, after a first warm-up sync: the smallest of
+    three syncs."""
     import gc
 
     import torch.distributed as dist
@@ -234,36 +235,86 @@ def sync_peak_memory(path, url, layout, bucket_bytes):
                       SyncConfig(bucket_bytes=bucket_bytes))
     perturb(chunks, 1)
     sync.sync(verify=True)  # warm-up: imports, connections, the bucket buffer
-    perturb(chunks, 2)
-    gc.collect()
-    libc.malloc_trim(0)
-    dist.barrier()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset this process's peak resident set (VmHWM)
-    start_kb = _status_kb("VmRSS")
-    stats = sync.sync(verify=False)
-    extra = (_status_kb("VmHWM") - start_kb) * 1024
-    probe = sync.verify()  # the measured sync really moved the weights
+    extras = []
+    for attempt in range(3):  # a copy the sync makes shows in every sync; a stray allocation elsewhere in the
+        perturb(chunks, 2 + attempt)  # process (a library thread's arena) does not: keep the smallest peak
+        gc.collect()
+        libc.malloc_trim(0)
+        dist.barrier()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset this process's peak resident set (VmHWM)
+        start_kb = _status_kb("VmRSS")
+        stats = sync.sync(verify=False)
+        extras.append((_status_kb("VmHWM") - start_kb) * 1024)
+    extra = min(extras)
+    probe = sync.verify()  # the measured syncs really moved the weights
     sync.close()
     buffer = sync.source.packer._buffer  # resident since the warm-up sync: counted on top of the measured peak
     return {"extra_bytes": extra, "buffer_bytes": 0 if buffer is None else buffer.numel(), "buckets": stats["buckets"],
             "probe_max_abs_diff": probe["probe_max_abs_diff"]}
 
 
-def dispatched_rows(samples, layout: dict, routing_shape, max_tokens: int, mini_batches: int) -> dict:
-    """This rank's RL rows after megarl.trainer.dispatch (rank 0 holds the samples), and what it received."""
+def dispatched_rows(samples, layout: dict, routing_shape, max_tokens: int, mini_batches: int,
+                    workers: str = "rank0") -> dict:
+    """This rank's RL rows after megarl.trainer.dispatch, and what it received. workers="rank0": rank 0 holds the
+    samples; "dp_leaders": each DP leader holds the groups g with g % dp == its DP rank (as rollout workers do)."""
     from megarl.trainer.batching import BatchPlan, PackedRollout
     from megarl.trainer.dispatch import dispatch
 
     ps = parallel.initialize(parallel.ParallelConfig(**layout))
     groups = parallel.groups()
+    sources = (0,) if workers == "rank0" else groups.leaders
     packed = plan = None
-    if torch.distributed.get_rank() == 0:
-        packed = PackedRollout.from_samples(samples, routing=routing_shape is not None)
-        plan = BatchPlan.make(packed, groups.dp_size, ps.get_tensor_model_parallel_world_size(), max_tokens,
-                              row_multiple=mini_batches)
-    got = dispatch(packed, plan, groups)
+    rank = torch.distributed.get_rank()
+    if rank in sources:
+        every = PackedRollout.from_samples(samples, routing=routing_shape is not None)
+        plan = BatchPlan.make(every.seq_lens, every.group, groups.dp_size, ps.get_tensor_model_parallel_world_size(),
+                              max_tokens, row_multiple=mini_batches)
+        mine = [i for i, s in enumerate(samples) if s.group % len(sources) == sources.index(rank)]
+        packed = PackedRollout.from_samples([samples[i] for i in mine], routing=routing_shape is not None,
+                                            group_size=len(samples) // len({s.group for s in samples}))
+        assert packed.sample_index.tolist() == mine
+    got = dispatch(packed, plan, groups, sources=sources)
     batch = got.share.token_batch(got.rows, got.seq_len, 0, routing_shape)
     return {"dp_rank": groups.dp_rank, "sample_index": got.share.sample_index.tolist(), "batch": batch,
             "score": got.share.score, "group": got.share.group, "num_microbatches": got.num_microbatches,
-            "bytes_received": got.bytes_received, "step_bytes": packed.nbytes if packed is not None else None}
+            "bytes_received": got.bytes_received, "step_bytes": every.nbytes if rank in sources else None}
+
+
+def rollout_worker_failure(model_path: str, failing: int) -> str:
+    """Two rollout workers collect a step; worker `failing`'s engine calls fail. Returns the error every rank ends
+    with (megarl.errors.on_ranks, as RLTrainer.step_once runs collect)."""
+    import torch.distributed as dist
+
+    from megarl.data import ChatTokenizer, PromptRecord
+    from megarl.errors import UserError, on_ranks
+    from megarl.rollout.server import EngineError
+    from megarl.rewards import RewardPool
+    from megarl.rollout.client import Completion
+    from megarl.trainer.config import load_train_config
+    from megarl.trainer.rollout import PromptStream, Rollout, Workers
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cfg = load_train_config(None, ['model.tiny={"family": "qwen2"}', "rollout.prompts_per_step=4",
+                                   "rollout.n_samples=2", "rollout.dynamic_sampling=true"])
+
+    class Router:  # an engine that answers on one worker and fails on the other
+        def generate(self, prompts, params, return_routed_experts=False):
+            if rank == failing:
+                raise EngineError(f"rollout.engine.urls[0]: the engine died on worker {rank}. Fix: restart it")
+            return [Completion(list(p), [7, 8], [-0.1, -0.2], "stop", "step-0") for p in prompts]
+
+    tok = ChatTokenizer.from_pretrained(model_path)
+    records = [PromptRecord(i, [1, 2, 3 + i], str(i), f"{i}") for i in range(8)]
+    rewards = RewardPool("exact_match", 1, 10.0)
+    rollout = Rollout(cfg, tok, Router(), rewards)
+    workers = Workers(rank, 2, dist.new_group([0, 1]))
+    try:
+        on_ranks(lambda: rollout.collect(PromptStream(records, seed=1), 1, workers), here=True)
+    except UserError as e:
+        return str(e)
+    finally:
+        rollout.close()
+        rewards.close()
+    return "no error"

@@ -52,11 +52,12 @@ def _naive_rows(samples, rows, seq_len, pad_id=0):
     return ids, targets, mask, logp, routing
 
 
-@pytest.mark.parametrize("layout", [{"tp": 1}, {"tp": 2}], ids=["dp2", "tp2xdp2"])
-def test_each_dp_rank_trains_exactly_its_samples(layout):
+@pytest.mark.parametrize("layout,workers", [({"tp": 1}, "rank0"), ({"tp": 2}, "rank0"), ({"tp": 2}, "dp_leaders")],
+                         ids=["dp2", "tp2xdp2", "tp2xdp2-two-workers"])
+def test_each_dp_rank_trains_exactly_its_samples(layout, workers):
     samples = _samples()
     world = 2 * layout["tp"]
-    results = run_ranks(world, ranks.dispatched_rows, samples, layout, (LAYERS, TOPK), 40, 2)
+    results = run_ranks(world, ranks.dispatched_rows, samples, layout, (LAYERS, TOPK), 40, 2, workers)
     by_dp = {}
     for r in results:
         by_dp.setdefault(r["dp_rank"], []).append(r)
@@ -82,7 +83,7 @@ def test_each_dp_rank_trains_exactly_its_samples(layout):
             assert r["group"].tolist() == [s.group for s in mine]
     step_bytes = results[0]["step_bytes"]
     for rank, r in enumerate(results):
-        if rank:  # rank 0 sends; every other rank receives about half the step (plus a 72-byte header)
+        if rank:  # every rank but rank 0 receives part of about half the step (plus 72-byte headers)
             assert 0 < r["bytes_received"] <= 1.25 * step_bytes / 2, (rank, r["bytes_received"], step_bytes)
 
 
@@ -98,5 +99,15 @@ def test_packed_rollout_select_and_compact_types():
         if name != "sample_index":
             assert torch.equal(getattr(part, name), t), name
     assert part.sample_index.tolist() == order
-    plan = BatchPlan.make(packed, dp_size=3, seq_multiple=4, max_tokens_per_microbatch=30)
+    plan = BatchPlan.make(packed.seq_lens, packed.group, dp_size=3, seq_multiple=4, max_tokens_per_microbatch=30)
     assert sorted(i for s in plan.shares for i in s) == list(range(len(samples))) and plan.seq_len % 4 == 0
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_failing_rollout_worker_stops_every_rank_with_its_error(failing):
+    """Worker `failing` hits an engine error in a round while the other waits for the round's sum: both stop, with
+    the failing worker's one-line error (no hang, no second message)."""
+    from megarl.testing import tiny_model_dir
+
+    errors = run_ranks(2, ranks.rollout_worker_failure, tiny_model_dir("qwen2"), failing, timeout=120)
+    assert errors == [f"rollout.engine.urls[0]: the engine died on worker {failing}. Fix: restart it"] * 2

@@ -9,7 +9,7 @@ from megarl.parallel.env import free_port
 from tiny_rl import write_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 2
+STEPS = 1
 
 
 def _config(tmp, name: str) -> str:

@@ -11,6 +11,8 @@ import sys
 import pytest
 import yaml
 
+from megarl.trainer.rl import dumped_samples
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {"family": "qwen2", "tokenizer": "char",
         "overrides": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -93,7 +95,7 @@ def test_tool_episodes_train_exactly_the_engine_tokens_of_the_model_turns(run):
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     multi_turn = 0
     for step in range(1, STEPS + 1):
-        samples = [json.loads(line) for line in open(run_dir / "rollouts" / f"step_{step:06d}.jsonl")]
+        samples = dumped_samples(run_dir, step)
         rows = {r["sample"]: r for dp in (0, 1)
                 for r in map(json.loads, open(run_dir / "rollouts" / f"step_{step:06d}.dp{dp}.train.jsonl"))}
         assert sorted(rows) == list(range(len(samples)))

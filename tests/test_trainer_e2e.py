@@ -11,6 +11,7 @@ import time
 import pytest
 
 from megarl.testing import run_ranks
+from megarl.trainer.rl import dumped_samples
 from tiny_rl import TINY, write_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,7 +123,7 @@ def test_rl_run_trains_the_engine_tokens(uninterrupted):
         assert m["critic/grad_norm"] > 0 and "critic/value_loss" in m and "kl" in m
         assert m["mismatch/logprob_abs_diff"] < 1e-4  # trainer and engine agree on the sampled tokens' log-probs
         assert 0 < m["mismatch/logprob_abs_diff_max"] < 1e-3
-        samples = [json.loads(line) for line in open(uninterrupted / "rollouts" / f"step_{step:06d}.jsonl")]
+        samples = dumped_samples(uninterrupted, step)
         rows = [json.loads(line) for dp in (0, 1)
                 for line in open(uninterrupted / "rollouts" / f"step_{step:06d}.dp{dp}.train.jsonl")]
         assert sorted(r["sample"] for r in rows) == list(range(16))  # every sample trained once, on one DP rank

@@ -26,7 +26,7 @@ class Episode:
     env_reward: float = 0.0
     info: dict = field(default_factory=dict)  # summed EnvStep.info counters
     weight_version: str | None = None
-    routed_experts: list[int] | None = None  # MoE routing of prompt + response[:-1] (from the episode's last turn)
+    routed_experts: object = None  # MoE routing of prompt + response[:-1], a flat int32 tensor (from the last turn)
 
     def add(self, ids: list[int], trained: bool, log_probs: list[float] | None = None) -> None:
         self.response_ids += ids

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..algorithms import (AlgorithmConfig, POLICY_LOSSES, global_counts, kl_estimate, loss_weights, mismatch_weights,
                           value_loss)
-from .vocab_parallel import vocab_parallel_logprob_entropy
+from .fused_linear import logprob_entropy
 
 
 @dataclass
@@ -152,8 +152,8 @@ def rl_objective(log_prob: torch.Tensor, entropy: torch.Tensor, batch: TokenBatc
                  cp_group=None) -> tuple[torch.Tensor, dict]:
     """sum_t loss_t * loss_weight_t for one micro-batch (or CP shard of it), and its metrics.
 
-    Metrics: "mean/<name>" -> tensor([sum, count]) over response tokens; "max/<name>" -> scalar; "values/ratio" ->
-    1-D tensor of the response tokens' ratios (for percentiles).
+    Metrics: "mean/<name>" -> tensor([sum, count]) over response tokens; "max/<name>" -> scalar; "hist/log_ratio" ->
+    the response tokens' log-ratios as a mergeable histogram (log_histogram, for percentiles).
     """
     mask = batch.loss_mask
     seq_sum = _seq_sum(cp_group)
@@ -183,7 +183,8 @@ def rl_objective(log_prob: torch.Tensor, entropy: torch.Tensor, batch: TokenBatc
         metrics["mean/logprob_abs_diff"] = _mean_stat(diff, mask)
         metrics["max/logprob_abs_diff"] = diff.max() if diff.numel() else torch.zeros(())
         metrics["mean/k3_kl_rollout_train"] = _mean_stat(kl_estimate(rollout, log_prob, "k3"), mask)
-        metrics["values/ratio"] = stats.get("ratio", torch.exp(log_prob - batch.old_log_probs))[mask > 0].detach()
+        ratio = stats.get("ratio", torch.exp(log_prob - batch.old_log_probs))[mask > 0].detach()
+        metrics["hist/log_ratio"] = log_histogram(torch.log(ratio.double().clamp(min=1e-300)))
     loss = (per_token * kept * batch.loss_weight).sum()
     return loss, metrics
 
@@ -236,8 +237,9 @@ def make_loss_func(batch: TokenBatch, cfg: AlgorithmConfig | None, *, num_microb
                    dp_size: int | None = None, model_config=None):
     """The loss_func a forward_step_func returns to Megatron's schedule, for one micro-batch.
 
-    Groups and the DP size default to megatron.core.parallel_state's. Returns loss_func(logits) -> (scaled loss,
-    metrics), logits being this TP rank's vocabulary slice [b, s, vocab/tp] from the last pipeline stage.
+    Groups and the DP size default to megatron.core.parallel_state's. Returns loss_func(output) -> (scaled loss,
+    metrics), output being the last pipeline stage's: this TP rank's logits [b, s, vocab/tp], or the final hidden
+    states + output weight (a HeadInput, megarl.losses.fused_linear) when run with the fused output layer.
     """
     from megatron.core import parallel_state as ps
 
@@ -253,14 +255,40 @@ def make_loss_func(batch: TokenBatch, cfg: AlgorithmConfig | None, *, num_microb
     temperature = temperature if temperature is not None else (cfg.temperature if cfg is not None else 1.0)
     fn = OBJECTIVES[objective]
 
-    def loss_func(logits: torch.Tensor):
-        log_prob, entropy = vocab_parallel_logprob_entropy(logits, batch.targets, vocab_size=vocab_size,
-                                                           temperature=temperature, group=tp_group)
+    def loss_func(output):
+        log_prob, entropy = logprob_entropy(output, batch.targets, vocab_size=vocab_size, temperature=temperature,
+                                            group=tp_group)
         loss, metrics = fn(log_prob, entropy, batch, cfg, cp_group=cp_group)
         metrics["loss"] = torch.stack([loss.detach(), torch.ones(())])
         return loss * (num_microbatches * dp_size), metrics
 
     return loss_func
+
+
+HISTOGRAM_BINS, HISTOGRAM_RANGE = 4096, 4.0  # log-ratio bins of width 2e-3 over [-4, 4]; outside: the edge bins
+
+
+def log_histogram(values: torch.Tensor, bins: int = HISTOGRAM_BINS, bound: float = HISTOGRAM_RANGE) -> torch.Tensor:
+    """[2, bins] float64: the count and the sum of the values falling in each of `bins` equal bins over
+    [-bound, bound] (values beyond go to the edge bins). Histograms of disjoint sets add up to the histogram of their
+    union, so per-rank histograms merge with one all-reduce of a fixed size."""
+    values = values.double().reshape(-1)
+    index = ((values + bound) * (bins / (2 * bound))).floor().clamp(0, bins - 1).long()
+    out = torch.zeros(2, bins, dtype=torch.float64)
+    out[0].index_add_(0, index, torch.ones_like(values))
+    out[1].index_add_(0, index, values)
+    return out
+
+
+def histogram_quantile(hist: torch.Tensor, q: float) -> torch.Tensor:
+    """The q-quantile of the values behind a log_histogram: the mean of the values in the bin where the cumulative
+    count reaches q of the total (exact when that bin holds one distinct value, within one bin width otherwise)."""
+    counts, sums = hist
+    target = q * counts.sum()
+    index = int(torch.searchsorted(counts.cumsum(0), target.reshape(1)).clamp(max=counts.numel() - 1))
+    while counts[index] == 0:  # q = 0 lands before the first filled bin
+        index += 1
+    return sums[index] / counts[index]
 
 
 def reduce_metrics(per_microbatch: list[dict] | None) -> dict[str, float]:
@@ -284,20 +312,19 @@ def reduce_metrics(per_microbatch: list[dict] | None) -> dict[str, float]:
             dist.all_reduce(sums, group=dp_cp)
         if mx is not None:
             dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=dp_cp)
-        ratio_parts = [m["values/ratio"].double() for m in per_microbatch if "values/ratio" in m]
+        hists = [m["hist/log_ratio"] for m in per_microbatch if "hist/log_ratio" in m]
         result = {}
         for k, (total, count) in zip(means, sums if sums is not None else []):
             name = k.split("/", 1)[-1]
             result[name] = float(total) if k == "loss" else float(total / count.clamp(min=1))
         for k, value in zip(maxes, mx if mx is not None else []):
             result[k.split("/", 1)[1] + "_max"] = float(value)
-        if ratio_parts:
-            gathered = [None] * dist.get_world_size(dp_cp)
-            dist.all_gather_object(gathered, torch.cat(ratio_parts), group=dp_cp)
-            ratios = torch.cat(gathered)
-            if ratios.numel():
+        if hists:  # a fixed-size sketch per rank, summed: the cost does not grow with the tokens
+            hist = torch.stack(hists).sum(0)
+            dist.all_reduce(hist, group=dp_cp)
+            if hist[0].sum() > 0:
                 for q in (0.05, 0.5, 0.95):
-                    result[f"ratio_p{int(q * 100)}"] = float(torch.quantile(ratios, q))
+                    result[f"ratio_p{int(q * 100)}"] = float(torch.exp(histogram_quantile(hist, q)))
         holder = result
     # Share the last stage's result with the other pipeline stages.
     pp_group = ps.get_pipeline_model_parallel_group()

@@ -8,6 +8,8 @@ written out (d logp/dx = onehot - p, dH/dx = p (-H - log p)) and recomputes p ch
 no [tokens, vocab/tp] probability tensor is ever stored. Columns at or past `vocab_size` (Megatron's vocabulary padding) are excluded.
 
 Call it on the last pipeline stage, inside the loss function, with the raw logits of the model's output layer.
+The per-chunk pieces (_prepare, _chunk_sums, _combine, _chunk_grad) are shared with megarl.losses.fused_linear, which
+computes the same from the final hidden states and the output weight without ever holding the logits.
 """
 from __future__ import annotations
 
@@ -17,19 +19,84 @@ import torch.distributed as dist
 _NEG = -1e30  # stands for -inf: exp() gives 0 and 0 * _NEG stays finite (0 * -inf would be nan)
 
 
-def _scaled_chunk(logits, start, end, temperature, vocab_start, vocab_size, writable=False):
-    """float32 logits[start:end] / temperature with padded columns set to _NEG; a fresh buffer when it must be
-    modified (padding, or writable=True), otherwise possibly a view of the logits."""
-    x = logits[start:end].float()
+def _prepare(x, temperature, vocab_start, vocab_size, *, owned, writable=False):
+    """float32 x / temperature for a [tokens, vocab/tp] chunk of this rank's logits, padded columns (at or past
+    vocab_size) set to _NEG. owned: x is the caller's temporary and may be overwritten; otherwise a fresh buffer is made
+    when it must be modified (temperature, padding, or writable=True) and x itself may come back."""
+    if x.dtype != torch.float32:
+        x, owned = x.float(), True  # .float() copies exactly when the dtype changes
     padded_from = vocab_size - vocab_start
-    fresh = logits.dtype != torch.float32  # .float() copies exactly when the dtype changes
-    if temperature != 1.0:
-        x, fresh = x / temperature, True
-    if (writable or padded_from < x.shape[-1]) and not fresh:
+    padded = padded_from < x.shape[-1]
+    if (writable or padded or temperature != 1.0) and not owned:
         x = x.clone()
-    if padded_from < x.shape[-1]:
+    if temperature != 1.0:
+        x.div_(temperature)
+    if padded:
         x[:, max(padded_from, 0):] = _NEG
     return x
+
+
+def _target_slots(targets, vocab_start, per_rank):
+    """(column of each target in this rank's slice, clamped to a valid index; whether the target is on this rank)."""
+    local_t = targets - vocab_start
+    on_rank = (local_t >= 0) & (local_t < per_rank)
+    return local_t.clamp(0, per_rank - 1), on_rank
+
+
+def _chunk_sums(x, local_t, on_rank, overwrite=False, scratch=None):
+    """Per token of a prepared chunk x [c, vocab/tp] (overwritten when `overwrite`): its max m over this rank's columns,
+    and [sum exp(x - m), sum exp(x - m) * (x - m), the target's x (0 when it is not on this rank)] as a [3, c] tensor.
+    scratch: an x-sized float32 buffer to reuse for exp(x - m) (None: a new tensor)."""
+    picked = x.gather(-1, local_t[:, None]).squeeze(-1)
+    m = x.amax(dim=-1)
+    # <= 0: sums relative to the max keep the entropy free of cancellation
+    shifted = x.sub_(m[:, None]) if overwrite else x - m[:, None]
+    e = torch.exp(shifted, out=scratch) if scratch is not None else shifted.exp()
+    sum_e = e.sum(-1)
+    return m, torch.stack([sum_e, e.mul_(shifted).sum(-1),  # sum e*(x-m), in e's buffer (faster than a row-wise dot)
+                           torch.where(on_rank, picked, torch.zeros_like(picked))])
+
+
+def _rescale(sums, offset):
+    """_chunk_sums' [3, c] sums relative to a max m, moved in place to a max M >= m (offset = m - M <= 0):
+    sum exp(x - M) = scale s, sum exp(x - M) (x - M) = scale (A + offset s), with scale = exp(offset)."""
+    scale = torch.exp(offset)
+    sums[1] = scale * (sums[1] + offset * sums[0])
+    sums[0] *= scale
+    return sums
+
+
+def _merge(max_a, sums_a, max_b, sums_b):
+    """The sums of two column blocks of the same tokens (each relative to its own max) as one: (max, [3, c] sums)."""
+    top = torch.maximum(max_a, max_b)
+    return top, _rescale(sums_a, max_a - top).add_(_rescale(sums_b, max_b - top))
+
+
+def _combine(local_max, sums, group):
+    """(log p(target), entropy, log Z) per token from every rank's _chunk_sums (two small all-reduces over group).
+
+    Combine the ranks at the global max M (_rescale): S = sum_r scale_r s_r, sum_j p_j (x_j - M) =
+    sum_r scale_r (A_r + (m_r - M) s_r) / S, with scale_r = exp(m_r - M)."""
+    global_max = _all_reduce(local_max.clone(), dist.ReduceOp.MAX, group)
+    _all_reduce(_rescale(sums, local_max - global_max), dist.ReduceOp.SUM, group)
+    sum_exp, sum_p_shifted, target_logit = sums
+    log_z = global_max + torch.log(sum_exp)
+    return target_logit - log_z, torch.log(sum_exp) - sum_p_shifted / sum_exp, log_z  # H = log S - E_p[x - M]
+
+
+def _chunk_grad(y, log_z, entropy, g_lp, g_h, local_t, on_rank, temperature, scratch=None):
+    """d(sum g_lp log p(target) + g_h H)/d(raw logits) of a chunk, from its prepared writable copy y (overwritten and
+    returned). scratch: a y-sized float32 buffer to reuse for p (None: a new tensor)."""
+    y = y.sub_(log_z[:, None])  # log p
+    p = torch.exp(y, out=scratch) if scratch is not None else y.exp()
+    # dlogp/dx = onehot - p; dH/dx = p (E[x] - x) = p (-H - log p).
+    # g = p (g_h (-H - log p) - g_lp) = p (-g_h log p - (g_h H + g_lp)): three passes over the chunk
+    g = y.mul_(-g_h[:, None]).sub_((g_h * entropy + g_lp)[:, None]).mul_(p)
+    rows = torch.nonzero(on_rank).squeeze(-1)
+    g[rows, local_t[rows]] += g_lp[rows]
+    if temperature != 1.0:
+        g.div_(temperature)
+    return g
 
 
 def _all_reduce(t, op, group):
@@ -38,41 +105,29 @@ def _all_reduce(t, op, group):
     return t
 
 
+def _tp_rank(group) -> int:
+    return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+
+
+def _output_grads(grad_log_prob, grad_entropy, like):
+    return (grad_log_prob.float() if grad_log_prob is not None else torch.zeros_like(like),
+            grad_entropy.float() if grad_entropy is not None else torch.zeros_like(like))
+
+
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, temperature, vocab_size, group, chunk_size):
-        tp_rank = dist.get_rank(group) if group is not None and dist.is_initialized() else 0
         per_rank = logits.shape[-1]
-        vocab_start = tp_rank * per_rank
+        vocab_start = _tp_rank(group) * per_rank
         n = logits.shape[0]
         local_max = torch.empty(n, dtype=torch.float32, device=logits.device)
-        # Per token, over this rank's columns, relative to the local max: sum exp, sum exp*x, and the target's x.
         sums = torch.zeros(3, n, dtype=torch.float32, device=logits.device)
-        local_t = targets - vocab_start
-        on_rank = (local_t >= 0) & (local_t < per_rank)
+        local_t, on_rank = _target_slots(targets, vocab_start, per_rank)
         for start in range(0, n, chunk_size):  # one pass over the logits
             end = min(n, start + chunk_size)
-            x = _scaled_chunk(logits, start, end, temperature, vocab_start, vocab_size)
-            m = x.max(dim=-1).values
-            shifted = x - m[:, None]  # <= 0: sums relative to the max keep the entropy free of cancellation
-            e = shifted.exp()
-            local_max[start:end] = m
-            sums[0, start:end] = e.sum(-1)
-            sums[1, start:end] = torch.einsum("ij,ij->i", e, shifted)  # sum e*(x-m), no [chunk, V] temporary
-            picked = x.gather(-1, local_t[start:end].clamp(0, per_rank - 1)[:, None]).squeeze(-1)
-            sums[2, start:end] = torch.where(on_rank[start:end], picked, torch.zeros_like(picked))
-        # Combine the ranks at the global max M: S = sum_r scale_r s_r, sum_j p_j (x_j - M) =
-        # sum_r scale_r (A_r + (m_r - M) s_r) / S, with scale_r = exp(m_r - M).
-        global_max = _all_reduce(local_max.clone(), dist.ReduceOp.MAX, group)
-        offset = local_max - global_max
-        scale = torch.exp(offset)
-        sums[1] = scale * (sums[1] + offset * sums[0])
-        sums[0] *= scale
-        _all_reduce(sums, dist.ReduceOp.SUM, group)
-        sum_exp, sum_p_shifted, target_logit = sums
-        log_z = global_max + torch.log(sum_exp)
-        log_prob = target_logit - log_z
-        entropy = torch.log(sum_exp) - sum_p_shifted / sum_exp  # H = log S - E_p[x - M]
+            x = _prepare(logits[start:end], temperature, vocab_start, vocab_size, owned=False)
+            local_max[start:end], sums[:, start:end] = _chunk_sums(x, local_t[start:end], on_rank[start:end])
+        log_prob, entropy, log_z = _combine(local_max, sums, group)
         ctx.save_for_backward(logits, targets, log_z, entropy)
         ctx.config = (temperature, vocab_start, vocab_size, chunk_size)
         return log_prob, entropy
@@ -81,25 +136,14 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     def backward(ctx, grad_log_prob, grad_entropy):
         logits, targets, log_z, entropy = ctx.saved_tensors
         temperature, vocab_start, vocab_size, chunk_size = ctx.config
-        per_rank = logits.shape[-1]
         grad = torch.empty_like(logits)
-        local_t = targets - vocab_start
-        on_rank = (local_t >= 0) & (local_t < per_rank)
-        g_lp = grad_log_prob.float() if grad_log_prob is not None else torch.zeros_like(log_z)
-        g_h = grad_entropy.float() if grad_entropy is not None else torch.zeros_like(log_z)
+        local_t, on_rank = _target_slots(targets, vocab_start, logits.shape[-1])
+        g_lp, g_h = _output_grads(grad_log_prob, grad_entropy, log_z)
         for start in range(0, logits.shape[0], chunk_size):
             end = min(logits.shape[0], start + chunk_size)
-            y = _scaled_chunk(logits, start, end, temperature, vocab_start, vocab_size, writable=True)
-            y = y.sub_(log_z[start:end, None])  # log p
-            p = y.exp()
-            # dlogp/dx = onehot - p; dH/dx = p (E[x] - x) = p (-H - log p). g = p (g_h (-H - log p) - g_lp)
-            g = y.neg_().sub_(entropy[start:end, None]).mul_(g_h[start:end, None])
-            g = g.sub_(g_lp[start:end, None]).mul_(p)
-            rows = torch.nonzero(on_rank[start:end]).squeeze(-1)
-            g[rows, local_t[start:end][rows]] += g_lp[start:end][rows]
-            if temperature != 1.0:
-                g.div_(temperature)
-            grad[start:end] = g
+            y = _prepare(logits[start:end], temperature, vocab_start, vocab_size, owned=False, writable=True)
+            grad[start:end] = _chunk_grad(y, log_z[start:end], entropy[start:end], g_lp[start:end], g_h[start:end],
+                                          local_t[start:end], on_rank[start:end], temperature)
         return grad, None, None, None, None, None
 
 

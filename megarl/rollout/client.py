@@ -28,8 +28,8 @@ class Completion:
     weight_version: str | None
     input_log_probs: list[float] | None = None  # with logprob_start_len=0: log p(prompt[t] | prompt[:t]), t >= 1
     # with return_routed_experts (server --enable-return-routed-experts): the MoE experts each position of
-    # prompt + output[:-1] was routed to, flat [positions * layers * top-k] int32
-    routed_experts: list[int] | None = None
+    # prompt + output[:-1] was routed to, flat [positions * layers * top-k] int32 (a tensor: it is large)
+    routed_experts: "torch.Tensor | None" = None
 
 
 class EngineClient:
@@ -163,7 +163,7 @@ class EngineClient:
         return None
 
 
-def _routed_experts(meta: dict) -> list[int]:
+def _routed_experts(meta: dict):
     """SGLang sends the routing as base64 of an int32 array (sglang/srt/state_capturer/routed_experts.py)."""
     import base64
 
@@ -173,7 +173,9 @@ def _routed_experts(meta: dict) -> list[int]:
     if not encoded:
         raise EngineError("the engine returned no routed_experts; start it with --enable-return-routed-experts "
                           "(megarl does when rollout.return_routed_experts or rollout.routing_replay is on)")
-    return np.frombuffer(base64.b64decode(encoded), dtype=np.int32).tolist()
+    import torch
+
+    return torch.from_numpy(np.frombuffer(base64.b64decode(encoded), dtype=np.int32).copy())
 
 
 def _body(response):

@@ -16,6 +16,7 @@ import itertools
 import math
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
 from ..losses.rl import TokenBatch
@@ -25,14 +26,14 @@ from ..losses.rl import TokenBatch
 class Sample:
     group: int  # index of the prompt within the step (samples of one prompt share it)
     prompt_index: int  # dataset index of the prompt
-    prompt_ids: list[int]
-    response_ids: list[int]
-    rollout_log_probs: list[float]
+    prompt_ids: list[int] | np.ndarray  # the rollout makes arrays (int32 ids, float32 log-probs, uint8 masks)
+    response_ids: list[int] | np.ndarray
+    rollout_log_probs: list[float] | np.ndarray
     finish_reason: str
     reward: float = 0.0
     score: float = 0.0  # the reward after shaping (overlong penalty): what advantages see
     trained: bool = True  # False: kept for metrics, no loss (overlong masking)
-    loss_mask: list[int] | None = None  # per response token (multi-turn: 0 on observations); None: all trained
+    loss_mask: list[int] | np.ndarray | None = None  # per response token (multi-turn: 0 on observations); None: all
     routed_experts: torch.Tensor | list[int] | None = None  # the engine's MoE routing, flat [positions, layers, top-k]
     extra: dict = field(default_factory=dict)
 
@@ -60,7 +61,7 @@ class PackedRollout:
     """A list of samples as flat tensors. Sample i's prompt + response ids are
     tokens[seq_offsets[i]:seq_offsets[i + 1]]; its response tokens' values (rollout log-probs, loss mask) are the
     matching slice of the response-token arrays; its routing covers its first seq_len - 1 positions."""
-    tokens: torch.Tensor  # [T] int32 (int64 for vocabularies past 2**31)
+    tokens: torch.Tensor  # [T] int32 (vocabularies are far below 2**31 ids)
     seq_lens: torch.Tensor  # [n] int64, prompt + response
     prompt_lens: torch.Tensor  # [n] int64
     rollout_log_probs: torch.Tensor  # [R] float32, one per response token
@@ -71,33 +72,52 @@ class PackedRollout:
     routed_experts: torch.Tensor | None = None  # [sum(seq_lens - 1) * layers * top-k], uint8 / int16 / int32
 
     @classmethod
-    def from_samples(cls, samples: list[Sample], routing: bool = True) -> "PackedRollout":
-        """Pack `samples` (sample_index = position in the list); routing=False leaves the MoE routing out."""
+    def from_samples(cls, samples: list[Sample], routing: bool = True,
+                     group_size: int | None = None) -> "PackedRollout":
+        """Pack `samples`. sample_index: with group_size, the step-wide index group * group_size + j (j: the sample's
+        place among this list's samples of its group), else the position in the list. routing=False leaves the MoE
+        routing out. The samples' ids / log-probs / masks may be numpy arrays (the rollout makes them as each chunk
+        returns: packing is then a concatenation) or lists."""
+        def flat(parts, dtype):
+            return torch.from_numpy(np.concatenate([np.asarray(p, dtype=dtype) for p in parts] or
+                                                   [np.zeros(0, dtype=dtype)]))
+
         prompt_lens = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
         response_lens = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
-        ids = itertools.chain.from_iterable(itertools.chain(s.prompt_ids, s.response_ids) for s in samples)
-        tokens = torch.tensor(list(ids), dtype=torch.long)
-        if tokens.numel() and int(tokens.max()) < 2 ** 31:
-            tokens = tokens.to(torch.int32)
-        mask = torch.tensor(list(itertools.chain.from_iterable(
-            (s.loss_mask if s.loss_mask is not None else itertools.repeat(1, len(s.response_ids))) if s.trained
-            else itertools.repeat(0, len(s.response_ids)) for s in samples)), dtype=torch.uint8)
-        log_probs = torch.tensor(list(itertools.chain.from_iterable(s.rollout_log_probs for s in samples)),
-                                 dtype=torch.float32)
-        if log_probs.numel() != mask.numel():
-            raise ValueError(f"{log_probs.numel()} rollout log-probs for {mask.numel()} response tokens: the engine "
-                             "must return one log-prob per output token")
+        tokens = flat(itertools.chain.from_iterable((s.prompt_ids, s.response_ids) for s in samples), np.int32)
+        mask = flat(((s.loss_mask if s.loss_mask is not None else np.ones(len(s.response_ids), np.uint8))
+                     if s.trained else np.zeros(len(s.response_ids), np.uint8) for s in samples), np.uint8)
+        counts = [len(s.rollout_log_probs) for s in samples]
+        if counts != response_lens.tolist():
+            bad = next(i for i, (c, n) in enumerate(zip(counts, response_lens.tolist())) if c != n)
+            raise ValueError(f"sample {bad}: {counts[bad]} rollout log-probs for {int(response_lens[bad])} response "
+                             "tokens: the engine must return one log-prob per output token")
+        log_probs = flat((s.rollout_log_probs for s in samples), np.float32)
         routed = None
-        if routing and samples and samples[0].routed_experts is not None:
-            parts = [torch.as_tensor(s.routed_experts).reshape(-1) for s in samples]
-            flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
+        if routing and (not samples or samples[0].routed_experts is not None):
+            flat = torch.cat([torch.as_tensor(s.routed_experts).reshape(-1) for s in samples]) if samples \
+                else torch.zeros(0, dtype=torch.int32)
             routed = flat.to(_routing_dtype(int(flat.max()) if flat.numel() else 0))
-        n = len(samples)
+        if group_size is None:
+            index = list(range(len(samples)))
+        else:
+            seen: dict[int, int] = {}
+            index = []
+            for s in samples:
+                seen[s.group] = seen.get(s.group, -1) + 1
+                index.append(s.group * group_size + seen[s.group])
         return cls(tokens=tokens, seq_lens=prompt_lens + response_lens, prompt_lens=prompt_lens,
                    rollout_log_probs=log_probs, loss_mask=mask,
                    score=torch.tensor([s.score for s in samples], dtype=torch.float32),
                    group=torch.tensor([s.group for s in samples], dtype=torch.long),
-                   sample_index=torch.arange(n), routed_experts=routed)
+                   sample_index=torch.tensor(index, dtype=torch.long), routed_experts=routed)
+
+    @classmethod
+    def cat(cls, parts: list["PackedRollout"]) -> "PackedRollout":
+        """The samples of all parts, ordered by sample_index."""
+        names = parts[0].tensors()
+        merged = cls(**{name: torch.cat([p.tensors()[name] for p in parts]) for name in names})
+        return merged.select(torch.argsort(merged.sample_index))
 
     @property
     def num_samples(self) -> int:
@@ -123,10 +143,10 @@ class PackedRollout:
                    tokens=self.tokens[_ranges(_offsets(self.seq_lens)[index], seq)])
         response_at = _ranges(_offsets(self.response_lens)[index], resp)
         out.update(rollout_log_probs=self.rollout_log_probs[response_at], loss_mask=self.loss_mask[response_at])
-        if self.routed_experts is not None:
-            width = self.routed_experts.numel() // max(int((self.seq_lens - 1).sum()), 1)  # layers * top-k
-            positions = _ranges(_offsets(self.seq_lens - 1)[index] * width, (seq - 1) * width)
-            out["routed_experts"] = self.routed_experts[positions]
+        if self.routed_experts is not None:  # gathered by position rows ([positions, layers * top-k]), not entries
+            positions = int((self.seq_lens - 1).sum())
+            rows = self.routed_experts.view(positions, -1) if positions else self.routed_experts.view(0, 0)
+            out["routed_experts"] = rows[_ranges(_offsets(self.seq_lens - 1)[index], seq - 1)].reshape(-1)
         return PackedRollout(**out)
 
     def token_batch(self, rows: int, seq_len: int, pad_id: int,
@@ -156,8 +176,9 @@ class PackedRollout:
                           routed_experts=self._routing(rows, seq_len, routing_shape) if routing_shape else None)
 
     def _routing(self, rows: int, seq_len: int, shape: tuple[int, int]) -> torch.Tensor | None:
-        """[rows, seq_len, layers, top-k] int64: each sample's engine routing at its positions (prompt +
-        response[:-1]); elsewhere (the last token, whose output is never trained, and padding) experts 0..k-1."""
+        """[rows, seq_len, layers, top-k] in the routing's compact integer type (the replay widens one layer at a
+        time): each sample's engine routing at its positions (prompt + response[:-1]); elsewhere (the last token,
+        whose output is never trained, and padding) experts 0..k-1."""
         if self.routed_experts is None:
             return None
         layers, k = shape
@@ -165,9 +186,9 @@ class PackedRollout:
         if self.routed_experts.numel() != int(positions.sum()) * layers * k:
             raise ValueError(f"the engine's routing has {self.routed_experts.numel()} entries, expected "
                              f"{int(positions.sum())} positions x {layers} layers x top-{k}")
-        out = torch.arange(k).expand(rows, seq_len, layers, k).clone()
+        out = torch.arange(k, dtype=self.routed_experts.dtype).expand(rows, seq_len, layers, k).clone()
         row = torch.repeat_interleave(torch.arange(self.num_samples), positions)
-        out[row, _ranges(torch.zeros_like(positions), positions)] = self.routed_experts.long().view(-1, layers, k)
+        out[row, _ranges(torch.zeros_like(positions), positions)] = self.routed_experts.view(-1, layers, k)
         return out
 
 
@@ -204,14 +225,25 @@ class BatchPlan:
     num_microbatches: int
 
     @classmethod
-    def make(cls, packed: PackedRollout, dp_size: int, seq_multiple: int, max_tokens_per_microbatch: int,
-             row_multiple: int = 1) -> "BatchPlan":
-        """The row count is a multiple of num_microbatches * row_multiple (mini-batches)."""
-        shares = shard_groups(packed.seq_lens, packed.group, dp_size)
-        seq_len = padded_length(packed.seq_lens, seq_multiple)
+    def make(cls, seq_lens: torch.Tensor, groups: torch.Tensor, dp_size: int, seq_multiple: int,
+             max_tokens_per_microbatch: int, row_multiple: int = 1) -> "BatchPlan":
+        """From every sample's length and group (indexed by step-wide sample index). The row count is a multiple of
+        num_microbatches * row_multiple (mini-batches)."""
+        shares = shard_groups(seq_lens, groups, dp_size)
+        seq_len = padded_length(seq_lens, seq_multiple)
         rows = max(len(s) for s in shares)
         num_mb = micro_batches_for(rows // row_multiple or 1, seq_len, max_tokens_per_microbatch) * row_multiple
         return cls(shares, int(math.ceil(rows / num_mb) * num_mb), seq_len, num_mb)  # equal micro-batches
+
+    @classmethod
+    def from_workers(cls, held: PackedRollout, samples: int, group_size: int, reduce, dp_size: int,
+                     seq_multiple: int, max_tokens_per_microbatch: int, row_multiple: int = 1) -> "BatchPlan":
+        """The step's plan on a rollout worker that holds some of the step's `samples` (sample_index = group *
+        group_size + j): every sample's length, summed over the workers by `reduce` (one tensor all-reduce; each
+        sample is held by one worker), so every worker makes the same plan."""
+        seq_lens = reduce(torch.zeros(samples, dtype=torch.long).index_put_((held.sample_index,), held.seq_lens))
+        return cls.make(seq_lens, torch.arange(samples) // group_size, dp_size, seq_multiple,
+                        max_tokens_per_microbatch, row_multiple)
 
 
 @dataclass
@@ -237,7 +269,8 @@ def rank_batch(samples: list[Sample], dp_rank: int, dp_size: int, pad_id: int, s
                routing_shape: tuple[int, int] | None = None) -> RankBatch:
     """This DP rank's rows when every rank holds all the samples (evaluation; the RL step uses dispatch instead)."""
     packed = PackedRollout.from_samples(samples, routing=routing_shape is not None)
-    plan = BatchPlan.make(packed, dp_size, seq_multiple, max_tokens_per_microbatch, row_multiple)
+    plan = BatchPlan.make(packed.seq_lens, packed.group, dp_size, seq_multiple, max_tokens_per_microbatch,
+                          row_multiple)
     return make_rank_batch(packed.select(plan.shares[dp_rank]), plan, pad_id, routing_shape)
 
 

@@ -113,6 +113,11 @@ class RolloutConfig:
     overlong_penalty: float = 1.0
     old_log_probs: str = "recompute"  # recompute (trainer forward) | rollout (engine log-probs + algorithm.mismatch)
     request_size: int = 64  # prompts per concurrent /generate request (rewards start as each returns)
+    # Which ranks send the engine requests and score the rewards (megarl.trainer.dispatch): dp_leaders (one rollout
+    # worker per data-parallel replica, each with its own reward pool: the step's prompts are split between them),
+    # rank0 (rank 0 alone), or auto: the DP leaders that can reach the engines (all of them with rollout.engine.urls;
+    # with engines this job starts, bound to 127.0.0.1, those on rank 0's node).
+    workers: str = "auto"
     # Where the SGLang engines run (megarl.launch.topology, `--dry-run` prints the layout):
     #   colocated: on the trainer's GPUs, one engine per rollout.engine.tp_size GPUs; memory is released between the
     #     rollout and training phases; weights go over reshard.transport=tensor (shared memory, no copy).
@@ -165,7 +170,9 @@ class RLConfig:
     eval_every: int = 0  # 0: evaluate only before and after training
     eval_samples: int = 4  # samples per held-out prompt (pass@1 = mean correctness)
     eval_temperature: Optional[float] = None  # None: rollout.temperature
-    dump_rollouts: bool = False  # write <run_dir>/rollouts/step_N*.jsonl: engine samples and the trained token rows
+    # write <run_dir>/rollouts/: step_N.workerW.jsonl, the engine samples each rollout worker generated (read them with
+    # megarl.trainer.rl.dumped_samples), and step_N.dpR.train.jsonl, the token rows each DP rank trained
+    dump_rollouts: bool = False
 
 
 @dataclass
@@ -241,6 +248,7 @@ class TrainConfig:
         self.algorithm.validate()
         _choice("rollout.overlong", self.rollout.overlong, ("none", "mask", "penalty"))
         _choice("rollout.old_log_probs", self.rollout.old_log_probs, ("recompute", "rollout"))
+        _choice("rollout.workers", self.rollout.workers, ("auto", "dp_leaders", "rank0"))
         _choice("reshard.transport", self.reshard.transport, ("tensor", "distributed", "disk"))
         _choice("logging.wandb", self.logging.wandb, ("offline", "online", "disabled"))
         if self.rollout.engine.dtype is not None:

@@ -1,15 +1,12 @@
 """A step's rollout -> the DP ranks that train it, as tensors.
 
-Rank 0 (the rollout side: engine requests, rewards, dynamic sampling over whole groups) holds the step's samples
-packed as flat tensors (batching.PackedRollout) and plans the step (batching.BatchPlan: whole groups per DP rank,
-balanced by tokens, one shape for all). It sends each DP replica's leader exactly that replica's rows, point to point
-(a header of sizes, then one tensor per field); the leader broadcasts them over its replica group (the TP x CP x PP
-ranks that train the same rows). A rank receives about 1/DP of the step, nothing is pickled, and no rank builds a
+The rollout workers (rollout.workers: the DP leaders, or rank 0 alone) each hold the samples they generated and
+scored, packed as flat tensors (batching.PackedRollout). They agree on the step's plan (batching.BatchPlan: whole
+groups per DP rank, balanced by tokens, one shape for all) from the samples' lengths, a small tensor all-reduce. Each
+worker sends each DP replica's leader the rows of that replica it holds, point to point (a header of sizes, then one
+tensor per field); the leader merges them in sample order and broadcasts them over its replica group (the TP x CP x
+PP ranks that train the same rows). A rank receives about 1/DP of the step, nothing is pickled, and no rank builds a
 batch from another replica's samples.
-
-Why rank 0 still runs the rollout: dynamic sampling and the token-balanced split need every group of the step in one
-place, and that side is I/O (HTTP to the engines, reward processes), not tensor work. The per-token data is what was
-expensive to move, and it now moves once, to where it is trained.
 """
 from __future__ import annotations
 
@@ -45,12 +42,11 @@ class Shape:
         return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.long)
 
     @classmethod
-    def of(cls, share: PackedRollout, plan: BatchPlan) -> "Shape":
+    def of(cls, share: PackedRollout, rows: int, seq_len: int, num_microbatches: int) -> "Shape":
         routed = share.routed_experts
         return cls(share.num_samples, share.tokens.numel(), share.rollout_log_probs.numel(),
                    -1 if routed is None else routed.numel(), _DTYPES.index(share.tokens.dtype),
-                   0 if routed is None else _DTYPES.index(routed.dtype), plan.rows, plan.seq_len,
-                   plan.num_microbatches)
+                   0 if routed is None else _DTYPES.index(routed.dtype), rows, seq_len, num_microbatches)
 
     def empty(self) -> PackedRollout:
         sizes = {name: self.samples for name in _PER_SAMPLE} | {name: self.response_tokens
@@ -71,35 +67,45 @@ class Dispatched:
     rows: int
     seq_len: int
     num_microbatches: int
-    bytes_received: int  # what this rank received (header included): ~1/DP of the step on every rank but the source
+    bytes_received: int  # what this rank received (headers included): ~1/DP of the step on every rank
 
 
-def dispatch(packed: PackedRollout | None, plan: BatchPlan | None, groups: Groups, src: int = 0) -> Dispatched:
-    """Every rank: its DP rank's share of the step. `packed` and `plan` are needed on `src` only. A collective over
-    the world (point to point from src to the leaders, then a broadcast in each replica group)."""
+def dispatch(packed: PackedRollout | None, plan: BatchPlan | None, groups: Groups,
+             sources: tuple[int, ...] = (0,)) -> Dispatched:
+    """Every rank: its DP rank's share of the step. On each source rank, `packed` holds the samples that rank
+    generated (with their step-wide sample_index) and `plan` is the step's plan (the same on every source). A
+    collective over the world: each source sends each DP leader the leader's samples it holds (point to point), the
+    leader merges them in sample order and broadcasts them over its replica group."""
     rank = dist.get_rank()
-    received = 0
-    share = shape = None
-    if rank == src:
-        sends = []
+    received, parts, shape, sends = 0, [], None, []
+    if rank in sources:
+        held = {index: k for k, index in enumerate(packed.sample_index.tolist())}
         for dp_rank, leader in enumerate(groups.leaders):
-            part = packed.select(plan.shares[dp_rank])
-            part_shape = Shape.of(part, plan)
+            part = packed.select([held[i] for i in plan.shares[dp_rank] if i in held])
+            part_shape = Shape.of(part, plan.rows, plan.seq_len, plan.num_microbatches)
             if leader == rank:
-                share, shape = part, part_shape
+                parts.append(part)
+                shape = part_shape
                 continue
             sends.append(dist.isend(part_shape.header(), dst=leader))
-            sends += [dist.isend(t.contiguous(), dst=leader) for t in part.tensors().values()]
-        for work in sends:
-            work.wait()
-    elif rank == groups.leader:
-        header = torch.empty(_HEADER, dtype=torch.long)
-        dist.recv(header, src=src)
-        shape = Shape(*header.tolist())
-        share = shape.empty()
-        for t in share.tensors().values():
-            dist.recv(t, src=src)
-        received += header.numel() * 8 + share.nbytes
+            sends += [dist.isend(t.contiguous(), dst=leader) for t in part.tensors().values() if t.numel()]
+    if rank == groups.leader:
+        for src in sources:
+            if src == rank:
+                continue
+            header = torch.empty(_HEADER, dtype=torch.long)
+            dist.recv(header, src=src)
+            shape = Shape(*header.tolist())
+            part = shape.empty()
+            for t in part.tensors().values():
+                if t.numel():
+                    dist.recv(t, src=src)
+            parts.append(part)
+            received += header.numel() * 8 + part.nbytes
+        share = PackedRollout.cat(parts)
+        shape = Shape.of(share, shape.rows, shape.seq_len, shape.num_microbatches)
+    for work in sends:  # only now: a source that is also a leader first receives what the other sources send it
+        work.wait()
     if groups.replica is not None:  # the leader shares the rows with the rest of its replica
         header = shape.header() if rank == groups.leader else torch.empty(_HEADER, dtype=torch.long)
         dist.broadcast(header, src=groups.leader, group=groups.replica)
@@ -108,5 +114,6 @@ def dispatch(packed: PackedRollout | None, plan: BatchPlan | None, groups: Group
             share = shape.empty()
             received += header.numel() * 8 + share.nbytes
         for t in share.tensors().values():
-            dist.broadcast(t, src=groups.leader, group=groups.replica)
+            if t.numel():
+                dist.broadcast(t, src=groups.leader, group=groups.replica)
     return Dispatched(share, shape.rows, shape.seq_len, shape.num_microbatches, received)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .. import parallel, platform
 from ..algorithms import compute_advantages, kl_estimate
 from ..config import to_dict
-from ..errors import about, on_rank0
+from ..errors import about, on_rank0, on_ranks
 from ..data import ChatTokenizer, load_prompts
 from ..losses import compute_log_probs, compute_values, prepare_global_batch, train_step
 from ..losses.step import holds_results
@@ -35,7 +35,7 @@ from .dispatch import dispatch
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .logging import MetricsLog, PhaseTimer
 from .preemption import StopRequest
-from .rollout import PromptStream, Rollout, rollout_metrics
+from .rollout import PromptStream, Rollout, Workers, rollout_metrics
 from .setup import (build_critic, build_policy, build_reference, init_parallel, moe_config_overrides,
                     prepare_model_folder, prompt_tools, resolve_load)
 
@@ -45,6 +45,21 @@ logger = logging.getLogger("megarl")
 def _on_every_stage(per_token: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """Forward-only results exist on the last pipeline stage; the other stages, which compute no loss, get zeros."""
     return per_token if per_token is not None else torch.zeros_like(like)
+
+
+def _listed(values):
+    """JSON-ready: arrays (what the rollout holds) as lists; None stays None."""
+    return values.tolist() if hasattr(values, "tolist") else values
+
+
+def dumped_samples(run_dir: str, step: int) -> list[dict]:
+    """The engine samples of one step that rl.dump_rollouts wrote (one file per rollout worker), in step-wide sample
+    order: record i is sample i, the one `"sample": i` names in the DP ranks' step_N.dpR.train.jsonl rows."""
+    import glob
+
+    pattern = os.path.join(run_dir, "rollouts", f"step_{step:06d}.worker*.jsonl")
+    records = [json.loads(line) for path in glob.glob(pattern) for line in open(path)]
+    return sorted(records, key=lambda r: r["sample"])
 
 
 class RLTrainer:
@@ -89,11 +104,15 @@ class RLTrainer:
     def _start_rollout_side(self) -> None:
         cfg = self.cfg
         self.servers = []
-        # rank 0 reads the data, starts the reward pool and the engines; a failure there reaches every rank
+        # each rollout worker reads the training prompts and starts its own reward pool (before any engine starts,
+        # so a bad data file fails in seconds); then rank 0 reads the held-out data and starts the engines. A
+        # failure on one rank reaches every rank.
+        self.workers, self.worker_ranks = self._rollout_workers()
+        on_ranks(self._start_worker, here=self.rank in self.worker_ranks)
         urls = on_rank0(self._start_rank0)
         self.clients = [EngineClient(server=s) for s in self.servers] if self.servers else \
             [EngineClient(url) for url in urls]
-        if self.rank == 0:
+        if self.rank in self.worker_ranks:
             self.router = EngineRouter(self.clients, cfg.rollout.engine.router_policy)
             self.rollout = Rollout(cfg, self.tok, self.router, self.rewards, tools=self._tools)
         e = cfg.rollout.engine
@@ -110,16 +129,35 @@ class RLTrainer:
                                                     probe_atol=cfg.reshard.probe_atol,
                                                     engine_dtype=getattr(torch, e.dtype) if e.dtype else None)))
 
-    def _start_rank0(self) -> list:
-        cfg, urls = self.cfg, list(self.cfg.rollout.engine.urls)
-        tools = prompt_tools(cfg)
+    def _rollout_workers(self) -> tuple[Workers, list[int]]:
+        """The ranks that run rollouts (rollout.workers), and this rank's place among them. A collective."""
+        mode, leaders = self.cfg.rollout.workers, list(self.groups.leaders)
+        if mode == "rank0":
+            ranks = [0]
+        elif mode == "dp_leaders" or self.cfg.rollout.engine.urls:
+            ranks = leaders
+        else:  # auto with engines this job started on rank 0's node, reachable at 127.0.0.1 from that node only
+            hosts = [None] * dist.get_world_size()
+            dist.all_gather_object(hosts, socket.gethostname())
+            ranks = [r for r in leaders if hosts[r] == hosts[0]]
+        group = dist.new_group(ranks) if len(ranks) > 1 else None  # every rank creates it (torch.distributed)
+        here = ranks.index(self.rank) if self.rank in ranks else 0
+        return Workers(here, len(ranks), group), ranks
+
+    def _start_worker(self) -> None:
+        cfg = self.cfg
+        self._tools = prompt_tools(cfg)
         with about(f"data.train={cfg.data.train}"):
-            self.train_records = load_prompts(cfg.data.train, self.tok, cfg.data, "train", tools)
-        eval_spec = cfg.data.eval or ("synthetic" if cfg.data.train == "synthetic" else None)
-        with about(f"data.eval={eval_spec}"):
-            self.eval_records = load_prompts(eval_spec, self.tok, cfg.data, "eval", tools) if eval_spec else []
+            self.train_records = load_prompts(cfg.data.train, self.tok, cfg.data, "train", self._tools)
         self.stream = PromptStream(self.train_records, cfg.seed, cfg.data.shuffle)
         self.rewards = RewardPool(cfg.reward.name, cfg.reward.workers, cfg.reward.timeout_s, cfg.reward.kwargs)
+
+    def _start_rank0(self) -> list:
+        cfg, urls = self.cfg, list(self.cfg.rollout.engine.urls)
+        eval_spec = cfg.data.eval or ("synthetic" if cfg.data.train == "synthetic" else None)
+        with about(f"data.eval={eval_spec}"):
+            self.eval_records = load_prompts(eval_spec, self.tok, cfg.data, "eval", prompt_tools(cfg)) \
+                if eval_spec else []
         if not urls:
             for i in range(cfg.rollout.engine.num_engines):
                 # the one ServerConfig builder (megarl.rollout.server); several engines on one node: own GPUs each
@@ -127,7 +165,6 @@ class RLTrainer:
                     cfg, self.model_path, i, base_gpu_id=i * cfg.rollout.engine.tp_size if i else None))
                 self.servers.append(server.start())
             urls = [s.url for s in self.servers]
-        self._tools = tools
         return urls
 
     def _resume(self) -> None:
@@ -138,7 +175,7 @@ class RLTrainer:
         self.state = load_checkpoint(path, self.policy.chunks, self.policy.optimizer, self.policy.scheduler,
                                      critic=self.critic)
         self.step = self.state["step"]
-        if self.rank == 0:
+        if self.rank in self.worker_ranks:  # every worker keeps the same prompt stream
             self.stream.load(self.state["data"])
             logger.info("resumed from %s (step %d)", path, self.step)
 
@@ -147,15 +184,16 @@ class RLTrainer:
         cfg, timer = self.cfg, PhaseTimer()
         start = time.perf_counter()
 
-        # 1. Rollout: rank 0 asks the engines for n samples per prompt and scores them, packs them as tensors and
-        #    plans the step (whole groups per DP rank, balanced tokens, micro-batches by token budget).
+        # 1. Rollout: the rollout workers (rollout.workers) ask the engines for n samples per prompt of their share
+        #    and score them, pack them as tensors and agree on the plan (whole groups per DP rank, balanced tokens,
+        #    micro-batches by token budget).
         with timer("rollout"):
-            stats = on_rank0(lambda: self._collect(step))
+            stats = on_ranks(lambda: self._collect(step), here=self.rank in self.worker_ranks) or {}
         self._engines("release_memory")  # colocated GPUs: the engine's memory goes to training (no-op on CPU)
 
         # 2. This DP rank's rows, and only those, arrive as tensors (megarl.trainer.dispatch).
         with timer("dispatch"):
-            got = dispatch(self._packed, self._plan, self.groups)
+            got = dispatch(self._packed, self._plan, self.groups, sources=tuple(self.worker_ranks))
             rb = RankBatch(got.share.token_batch(got.rows, got.seq_len, self.tok.pad_id, self._routing_shape()),
                            got.share, got.num_microbatches)
         batch = rb.batch
@@ -214,36 +252,41 @@ class RLTrainer:
         metrics.update({f"reshard/{k}": v for k, v in sync_stats.items() if isinstance(v, (int, float))})
         elapsed = time.perf_counter() - start
         metrics.update({"time/step_s": elapsed, "dispatch/bytes_received": got.bytes_received})
-        if self.rank == 0:  # the samples' own metrics: rank 0 holds them (and alone logs)
-            samples = self._samples
-            metrics.update(rollout_metrics(samples))
-            metrics.update({"perf/tokens_per_s": int(self._packed.seq_lens.sum()) / elapsed,
-                            "rollout/stale_weight_frac": sum(s.extra.get("weight_version") != f"step-{step - 1}"
-                                                             for s in samples) / len(samples) if step > 1 else 0.0})
+        if self.rank in self.worker_ranks:  # the samples' statistics, summed over the workers that hold them
+            metrics.update(rollout_metrics(self._samples, self.workers, f"step-{step - 1}" if step > 1 else None))
+            metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / elapsed
+            errors = self.workers.sum(torch.tensor([float(self.rewards.take_errors())]))
+            metrics["reward/errors"] = int(errors[0])
         return metrics
 
     def _routing_shape(self) -> tuple[int, int] | None:
         return self.routing_shape if self.cfg.rollout.engine_routing else None
 
     def _collect(self, step: int) -> dict:
-        """Rank 0: the step's samples (kept for metrics), packed, and the step's plan; returns rollout statistics."""
-        cfg = self.cfg
-        self._samples, stats = self.rollout.collect(self.stream, step)
-        self._packed = PackedRollout.from_samples(self._samples, routing=self._routing_shape() is not None)
-        self._plan = BatchPlan.make(self._packed, self.dp_size, self.ps.get_tensor_model_parallel_world_size(),
-                                    cfg.rl.max_tokens_per_microbatch, row_multiple=cfg.rl.mini_batches)
+        """A rollout worker: its share of the step's samples (kept for metrics and dumps), packed under their
+        step-wide indices (group * n_samples + j), and the step's plan from every sample's length (a sum over the
+        workers); returns the rollout statistics (the same on every worker)."""
+        cfg, n = self.cfg, self.cfg.rollout.n_samples
+        self._samples, stats = self.rollout.collect(self.stream, step, self.workers)
+        self._packed = PackedRollout.from_samples(self._samples, routing=self._routing_shape() is not None,
+                                                  group_size=n)
+        self._plan = BatchPlan.from_workers(self._packed, cfg.rollout.prompts_per_step * n, n, self.workers.sum,
+                                            self.dp_size, self.ps.get_tensor_model_parallel_world_size(),
+                                            cfg.rl.max_tokens_per_microbatch, row_multiple=cfg.rl.mini_batches)
         return stats
 
     def _dump(self, step: int, rb: RankBatch) -> None:
-        """Rank 0: the engine's samples; the first TP/PP rank of each DP rank: the token rows it trains on."""
+        """Each rollout worker: the engine's samples it generated (read them back with dumped_samples); the first
+        TP/PP rank of each DP rank: the token rows it trains on."""
         folder = os.path.join(self.cfg.run_dir, "rollouts")
         os.makedirs(folder, exist_ok=True)
-        if self.rank == 0:
-            with open(os.path.join(folder, f"step_{step:06d}.jsonl"), "w") as f:
-                for s in self._samples:
-                    f.write(json.dumps({"group": s.group, "prompt_ids": s.prompt_ids, "response_ids": s.response_ids,
-                                        "rollout_log_probs": s.rollout_log_probs, "reward": s.reward,
-                                        "finish_reason": s.finish_reason, "loss_mask": s.loss_mask,
+        if self.rank in self.worker_ranks:
+            with open(os.path.join(folder, f"step_{step:06d}.worker{self.workers.index}.jsonl"), "w") as f:
+                for index, s in zip(self._packed.sample_index.tolist(), self._samples):
+                    f.write(json.dumps({"sample": index, "group": s.group, "prompt_ids": _listed(s.prompt_ids),
+                                        "response_ids": _listed(s.response_ids),
+                                        "rollout_log_probs": _listed(s.rollout_log_probs), "reward": s.reward,
+                                        "finish_reason": s.finish_reason, "loss_mask": _listed(s.loss_mask),
                                         "extra": s.extra}) + "\n")
         if self.ps.get_tensor_model_parallel_rank() == 0 and self.ps.is_pipeline_first_stage(ignore_virtual=True):
             with open(os.path.join(folder, f"step_{step:06d}.dp{self.dp_rank}.train.jsonl"), "w") as f:
@@ -270,7 +313,8 @@ class RLTrainer:
 
     def _log_probs(self, model: list, rb: RankBatch) -> torch.Tensor:
         return _on_every_stage(compute_log_probs(model, rb.batch, rb.num_microbatches, self.bridge.vocab_size,
-                                                 temperature=self.cfg.algorithm.temperature), rb.batch.loss_mask)
+                                                 temperature=self.cfg.algorithm.temperature,
+                                                 fused=self.cfg.algorithm.fused_logprobs), rb.batch.loss_mask)
 
     def _mismatch(self, batch) -> dict:
         """Trainer vs engine on the same tokens before any update: |old log-prob - rollout log-prob| over the global
@@ -356,7 +400,6 @@ class RLTrainer:
             metrics = self.step_once(step)
             if cfg.rl.eval_every and step % cfg.rl.eval_every == 0 and step < cfg.rl.steps:
                 metrics.update(self.evaluate(step))
-            metrics["reward/errors"] = self.rewards.take_errors() if self.rank == 0 else 0
             self.step = step
             if self.log is not None:
                 self.log.log(step, metrics, show=("reward/mean", "eval/pass_at_1", "loss"))
@@ -404,7 +447,7 @@ class RLTrainer:
     def close(self) -> None:
         for sync in self.syncs:
             sync.close()
-        if self.rank == 0:
+        if self.rank in self.worker_ranks:
             self.rollout.close()
             self.rewards.close()
             if self.log is not None:

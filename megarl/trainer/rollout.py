@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..data import PromptRecord
 from ..envs import Episode, make_env, run_episodes
 from ..envs.episode import check_turn
+from ..errors import PeerFailed, UserError
 from ..evaluation import majority_at_n, normalise_answer, pass_at_k_curve
 from .batching import Sample
 
@@ -56,6 +60,28 @@ class PromptStream:
     def load(self, state: dict) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._permutation()
+
+
+@dataclass(frozen=True)
+class Workers:
+    """The ranks that run rollouts (rollout.workers): this one is number `index` of `count`; `group` spans them.
+
+    Every worker keeps the same prompt stream and takes the same prompts; it generates and scores the groups at
+    positions index, index + count, ... of each round, so the engine traffic and the reward scoring are split
+    count ways. Dynamic sampling and the step's statistics are decided from sums over the workers (tensors)."""
+    index: int = 0
+    count: int = 1
+    group: object = None  # ProcessGroup over the workers (None: one worker)
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        if self.count > 1:
+            dist.all_reduce(values, group=self.group)
+        return values
+
+    def max(self, values: torch.Tensor) -> torch.Tensor:
+        if self.count > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        return values
 
 
 class Rollout:
@@ -120,34 +146,52 @@ class Rollout:
 
             results = tqdm(results, total=len(pieces), desc="generate", unit="req", leave=False, dynamic_ncols=True)
         multi_turn = self.cfg.env.name is not None
+        prompts: dict[int, np.ndarray] = {}
+        # Each chunk's token ids and log-probs become arrays as it returns, while later chunks still generate: the
+        # step's data is then packed by concatenation (megarl.trainer.batching.PackedRollout), not from lists.
         for piece, (episodes, scored) in zip(pieces, results):
             rewards = self.rewards.result(scored, len(piece))
             for (g, r, _), e, reward in zip(piece, episodes, rewards):
                 reward += e.env_reward
-                samples.append(Sample(group=g, prompt_index=r.index, prompt_ids=list(r.prompt_ids),
-                                      response_ids=e.response_ids, rollout_log_probs=e.log_probs,
+                if r.index not in prompts:  # one array per prompt, shared by its samples
+                    prompts[r.index] = np.asarray(r.prompt_ids, dtype=np.int32)
+                samples.append(Sample(group=g, prompt_index=r.index, prompt_ids=prompts[r.index],
+                                      response_ids=np.asarray(e.response_ids, dtype=np.int32),
+                                      rollout_log_probs=np.asarray(e.log_probs, dtype=np.float32),
                                       finish_reason=e.finish_reason, reward=reward, score=reward,
-                                      loss_mask=e.loss_mask if multi_turn else None,
+                                      loss_mask=np.asarray(e.loss_mask, dtype=np.uint8) if multi_turn else None,
                                       routed_experts=e.routed_experts,
                                       extra={"weight_version": e.weight_version, "turns": e.turns,
                                              "final_text": e.final_text, **e.info}))
         return samples
 
-    def collect(self, stream: PromptStream, step: int) -> tuple[list[Sample], dict]:
-        """One step's samples (rollout.prompts_per_step groups of n_samples) and rollout statistics."""
-        ro = self.cfg.rollout
+    def collect(self, stream: PromptStream, step: int, workers: Workers = Workers()) -> tuple[list[Sample], dict]:
+        """One step's samples (rollout.prompts_per_step groups of n_samples) and rollout statistics; with several
+        workers, this worker's share of them (Sample.group is the step-wide group; sample index = group * n + j)."""
+        ro, n = self.cfg.rollout, self.cfg.rollout.n_samples
         kept, dropped, rounds, prompts_used = [], [], 0, 0
         while len(kept) < ro.prompts_per_step and rounds < (ro.max_sampling_rounds if ro.dynamic_sampling else 1):
             need = ro.prompts_per_step - len(kept)
-            records = stream.take(need)
+            records = stream.take(need)  # every worker: the same records
             prompts_used += len(records)
-            samples = self.generate(records, ro.n_samples, (self.cfg.seed, step, rounds), ro.temperature,
-                                    ro.max_new_tokens)
+            mine = list(range(workers.index, len(records), workers.count))
+            failure, samples = None, []
+            try:
+                samples = self.generate([records[p] for p in mine], n, (self.cfg.seed, step, rounds),
+                                        ro.temperature, ro.max_new_tokens)
+            except UserError as e:  # the other workers must not wait for this one's round forever
+                failure = e
             rounds += 1
-            for g in range(len(records)):
-                group = samples[g * ro.n_samples:(g + 1) * ro.n_samples]  # generate() keeps prompt order
-                varied = len({s.reward for s in group}) > 1
-                (kept if varied or not ro.dynamic_sampling else dropped).append(group)
+            groups = {p: samples[k * n:(k + 1) * n] for k, p in enumerate(mine)}  # generate() keeps prompt order
+            varied = torch.zeros(len(records) + 1)
+            for p, group in groups.items():
+                varied[p] = float(len({s.reward for s in group}) > 1)
+            varied[-1] = failure is not None
+            varied = workers.sum(varied)
+            if varied[-1] > 0:
+                raise failure or PeerFailed("another rollout worker failed")
+            for p in range(len(records)):
+                (kept if varied[p] > 0 or not ro.dynamic_sampling else dropped).append(groups.get(p, []))
         all_groups = kept + dropped[: ro.prompts_per_step - len(kept)]  # refill with zero-variance groups
         samples = []
         for g, group in enumerate(all_groups):
@@ -194,25 +238,41 @@ class Rollout:
         self._env_threads.shutdown(wait=False)
 
 
-def rollout_metrics(samples: list[Sample]) -> dict:
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
-    metrics = {"reward/mean": float(rewards.mean()),
-               "reward/std": float(rewards.std()) if len(samples) > 1 else 0.0,
-               "reward/pass_rate": float((rewards > 0.5).double().mean()),
-               "response_len/mean": float(lengths.mean()), "response_len/max": float(lengths.max()),
-               "rollout/truncated_frac": float(sum(s.finish_reason == "length" for s in samples) / len(samples)),
-               "rollout/samples": len(samples)}
-    if any(s.loss_mask is not None for s in samples):  # multi-turn episodes
-        n = len(samples)
+_SUMS = ("samples", "reward", "reward_sq", "passed", "response_tokens", "truncated", "multi_turn", "turns", "max_turns",
+         "observation_tokens", "with_tool_calls", "tool_calls", "tool_errors", "bad_tool_calls", "stale", "tokens")
+
+
+def rollout_metrics(samples: list[Sample], workers: Workers = Workers(), weight_version: str | None = None) -> dict:
+    """The step's sample statistics: sums (and a max) over this worker's samples, reduced over the workers as one
+    tensor, so they are the statistics of all the step's samples wherever they were generated. weight_version: the
+    version the step's samples should come from (rollout/stale_weight_frac counts the others)."""
+    def total(key, default=0):
+        return sum(float(s.extra.get(key, default)) for s in samples)
+
+    sums = torch.tensor([
+        len(samples), sum(s.reward for s in samples), sum(s.reward ** 2 for s in samples),
+        sum(s.reward > 0.5 for s in samples), sum(len(s.response_ids) for s in samples),
+        sum(s.finish_reason == "length" for s in samples), sum(s.loss_mask is not None for s in samples),
+        total("turns", 1), sum(s.finish_reason == "max_turns" for s in samples),
+        sum(len(s.loss_mask) - int(np.sum(s.loss_mask)) for s in samples if s.loss_mask is not None),
+        sum(s.extra.get("tool_calls", 0) > 0 for s in samples), total("tool_calls"), total("tool_errors"),
+        sum(s.extra.get("bad_tool_calls", 0) > 0 for s in samples),
+        sum(s.extra.get("weight_version") != weight_version for s in samples) if weight_version else 0,
+        sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)], dtype=torch.float64)
+    t = dict(zip(_SUMS, workers.sum(sums).tolist()))
+    longest = workers.max(torch.tensor([max((len(s.response_ids) for s in samples), default=0)], dtype=torch.float64))
+    n = max(t["samples"], 1)
+    mean = t["reward"] / n
+    variance = (t["reward_sq"] - n * mean ** 2) / (n - 1) if n > 1 else 0.0
+    metrics = {"reward/mean": mean, "reward/std": max(variance, 0.0) ** 0.5, "reward/pass_rate": t["passed"] / n,
+               "response_len/mean": t["response_tokens"] / n, "response_len/max": float(longest[0]),
+               "rollout/truncated_frac": t["truncated"] / n, "rollout/samples": int(t["samples"]),
+               "rollout/tokens": int(t["tokens"])}
+    metrics["rollout/stale_weight_frac"] = t["stale"] / n if weight_version else 0.0
+    if t["multi_turn"]:  # multi-turn episodes
         metrics.update({
-            "rollout/turns_mean": sum(s.extra.get("turns", 1) for s in samples) / n,
-            "rollout/max_turns_frac": sum(s.finish_reason == "max_turns" for s in samples) / n,
-            "rollout/observation_token_frac": sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples)
-            / max(sum(len(s.response_ids) for s in samples), 1),
-            "tool/call_rate": sum(s.extra.get("tool_calls", 0) > 0 for s in samples) / n,
-            "tool/calls_per_sample": sum(s.extra.get("tool_calls", 0) for s in samples) / n,
-            "tool/error_rate": sum(s.extra.get("tool_errors", 0) for s in samples)
-            / max(sum(s.extra.get("tool_calls", 0) for s in samples), 1),
-            "tool/bad_call_rate": sum(s.extra.get("bad_tool_calls", 0) > 0 for s in samples) / n})
+            "rollout/turns_mean": t["turns"] / n, "rollout/max_turns_frac": t["max_turns"] / n,
+            "rollout/observation_token_frac": t["observation_tokens"] / max(t["response_tokens"], 1),
+            "tool/call_rate": t["with_tool_calls"] / n, "tool/calls_per_sample": t["tool_calls"] / n,
+            "tool/error_rate": t["tool_errors"] / max(t["tool_calls"], 1), "tool/bad_call_rate": t["bad_tool_calls"] / n})
     return metrics
