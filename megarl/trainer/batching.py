@@ -58,9 +58,9 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class PackedRollout:
-    """A list of samples as flat tensors. Sample i's prompt + response ids are
-    tokens[seq_offsets[i]:seq_offsets[i + 1]]; its response tokens' values (rollout log-probs, loss mask) are the
-    matching slice of the response-token arrays; its routing covers its first seq_len - 1 positions."""
+    """A list of samples as flat tensors. Sample i's prompt + response ids are the i-th run of seq_lens[i] tokens;
+    its response tokens' values (rollout log-probs, loss mask) the i-th run of response_lens[i] values; its routing
+    the i-th run of (seq_lens[i] - 1) positions x layers x top-k."""
     tokens: torch.Tensor  # [T] int32 (vocabularies are far below 2**31 ids)
     seq_lens: torch.Tensor  # [n] int64, prompt + response
     prompt_lens: torch.Tensor  # [n] int64
@@ -95,9 +95,9 @@ class PackedRollout:
         log_probs = flat((s.rollout_log_probs for s in samples), np.float32)
         routed = None
         if routing and (not samples or samples[0].routed_experts is not None):
-            flat = torch.cat([torch.as_tensor(s.routed_experts).reshape(-1) for s in samples]) if samples \
+            entries = torch.cat([torch.as_tensor(s.routed_experts).reshape(-1) for s in samples]) if samples \
                 else torch.zeros(0, dtype=torch.int32)
-            routed = flat.to(_routing_dtype(int(flat.max()) if flat.numel() else 0))
+            routed = entries.to(_routing_dtype(int(entries.max()) if entries.numel() else 0))
         if group_size is None:
             index = list(range(len(samples)))
         else:
