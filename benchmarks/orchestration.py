@@ -2,7 +2,7 @@
 reduction, on CPU with gloo, 4 ranks (DP=4 and TP2xDP2), with synthetic rollouts (no engine, no model).
 
     .venv/bin/python benchmarks/orchestration.py --path baseline      # today's path -> the "baseline" key
-    .venv/bin/python benchmarks/orchestration.py --path tensor        # another path -> the "cases" key
+    .venv/bin/python benchmarks/orchestration.py --path tensor        # megarl's path -> the "cases" key
 
 Writes benchmarks/results/orchestration.json ({"cases": [...], "baseline": [...]}; rewriting one key keeps the other).
 Every case runs in a fresh 4-rank gloo world (megarl.testing.run_ranks forks the ranks, megarl.parallel.initialize
@@ -35,7 +35,7 @@ of list per sample; 16k x 1k x 384 ints would be ~50 GB per rank) runs at 256 sa
 the 16 GB limit (baseline_memory) and are recorded as skipped. baseline_memory against the measured total (the
 ranks' extra peaks + the source's lists): dense 16k, 8.5 GB estimated / ~8.4 GB measured; MoE 256, 7.6 / ~5.6 GB.
 
-megarl's path ("tensor", the "cases" key; "tensor_rank0", the "cases_rank0" key) is megarl.trainer.dispatch as the
+megarl's path ("tensor", the "cases" key; "tensor_rank0", the "cases" key of results/orchestration_rank0.json) is megarl.trainer.dispatch as the
 trainer runs it. "tensor": the DP leaders are the rollout workers (rollout.workers=auto), so when the rollouts
 complete each leader holds the groups it generated (g % dp == its DP rank) as megarl's rollout holds them (numpy
 arrays made as each request chunk returns; the MoE routing as the int32 tensor the engine client decodes); the
@@ -526,7 +526,10 @@ PATHS: dict[str, Path] = {
                    holders="dp_leaders"),
     "tensor_rank0": Path(tensor_dispatch, tensor_reduce_metrics, loss_metrics=ratio_histogram, arrays=True),
 }
-RESULT_KEY = {"baseline": "baseline", "tensor_rank0": "cases_rank0"}  # every other path writes "cases"
+RESULT_KEY = {"baseline": "baseline"}  # every other path writes "cases"
+# orchestration.json holds exactly {"cases", "baseline"} (the trainer's default path, and the path before it); the
+# rank-0-only variant goes to a file of its own
+RESULT_FILE = {"tensor_rank0": os.path.join(HERE, "results", "orchestration_rank0.json")}
 
 
 # ----------------------------------------------------------------------------------------------------- harness
@@ -634,13 +637,15 @@ def main(argv=None) -> int:
     parser.add_argument("--path", choices=sorted(PATHS), default="baseline")
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="dense sample counts")
     parser.add_argument("--moe-sizes", type=int, nargs="*", default=list(MOE_SIZES), help="MoE sample counts")
-    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--out", default=None, help="default: results/orchestration.json (tensor_rank0: "
+                        "results/orchestration_rank0.json)")
     args = parser.parse_args(argv)
     rows = []
     for case in all_cases(args.sizes, args.moe_sizes):
         start = time.perf_counter()
         rows.append(measure(case, args.path))
         print(table(rows[-1:]).splitlines()[-1], f"  ({time.perf_counter() - start:.0f} s)", flush=True)
+    args.out = args.out or RESULT_FILE.get(args.path, RESULTS)
     write_results(RESULT_KEY.get(args.path, "cases"), rows, args.out)
     print(f"\n{args.path}:\n{table(rows)}\nwrote {args.out}")
     return 0
