@@ -270,10 +270,16 @@ class ModelBridge:
                 is_owner = dist.get_rank() == owner_rank
                 gathered = size > 1 and getattr(param, "tensor_model_parallel", False)
                 if gathered:  # only the owner receives (and merges) the shards
-                    parts = [torch.empty_like(value) for _ in range(size)] if is_owner else None
-                    dist.gather(value.contiguous(), gather_list=parts, dst=owner_rank, group=group)
+                    # Point to point rather than dist.gather: gloo's gather stages the shards in a flat buffer of its
+                    # own that its worker thread may free late, so the owner's peak memory depended on timing.
                     if not is_owner:
+                        dist.send(value.contiguous(), dst=owner_rank, group=group)
                         continue
+                    parts = [value if r == owner_rank else torch.empty_like(value)
+                             for r in dist.get_process_group_ranks(group)]
+                    for r, part in zip(dist.get_process_group_ranks(group), parts):
+                        if r != owner_rank:
+                            dist.recv(part, src=r, group=group)
                     full = self.mb._weight_merge_across_tp(canonical, parts, param)
                     del parts
                 else:
