@@ -156,6 +156,26 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
+PREFLIGHT_WAIT_S = 120.0
+
+
+def _outlive_rank0(rank: int, error: BaseException) -> None:
+    """A rank other than 0 failed the pre-flight checks, before torch.distributed started. Every rank runs the same
+    checks, and rank 0 says what failed; but if this rank exited first, the launcher would stop rank 0 (SIGTERM to the
+    other workers) before it printed anything (seen on a loaded machine, where rank 0 was still importing). So this
+    rank waits to be stopped by the launcher once rank 0 exits. If rank 0 is still running after PREFLIGHT_WAIT_S, its
+    checks passed (the error is this rank's own, e.g. a path on this node only): say it, naming the rank."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends this process, whatever was installed
+    deadline = time.monotonic() + PREFLIGHT_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+    print(f"megarl: error (rank {rank}): {error}", file=sys.stderr, flush=True)
+
+
 def _peer_failure(error: BaseException) -> bool:
     """A collective that broke because another rank stopped (that rank reports the cause)."""
     text = str(error)
@@ -255,8 +275,11 @@ def main(argv=None) -> int:
         rank = _rank()
         if rank == 0:
             print(f"megarl: error: {e}", file=sys.stderr, flush=True)
-        elif dist.is_available() and dist.is_initialized() and not isinstance(e, RemoteUserError):
-            print(f"megarl: error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        elif dist.is_available() and dist.is_initialized():
+            if not isinstance(e, RemoteUserError):
+                print(f"megarl: error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        elif int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+            _outlive_rank0(rank, e)
         return USER_ERROR_EXIT_CODE
     except Exception as e:
         if _rank() != 0 and _peer_failure(e):  # the rank that failed first prints the cause

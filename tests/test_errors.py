@@ -109,26 +109,31 @@ def test_dry_run_accepts_overrides_after_the_flags(tmp_path, capsys):
     assert "checked   run_dir" in out and "data.train: synthetic" in out
 
 
-def _torchrun(config, *overrides):
+def _torchrun(config, *overrides, module="megarl.cli"):
     return subprocess.run([sys.executable, "-m", "megarl.launch.torchrun", "--nproc_per_node", "2",
-                           "--master_port", str(_closed_port()), "-m", "megarl.cli", "train", config, *overrides],
+                           "--master_port", str(_closed_port()), "-m", module, "train", config, *overrides],
                           cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests")))
 
 
-@pytest.mark.parametrize("case", ["every rank: unknown estimator", "rank 0 only: unreachable engine",
+@pytest.mark.parametrize("case", ["every rank: unknown estimator", "every rank, rank 0 the slowest",
+                                  "rank 0 only: unreachable engine",
                                   "after start-up: a bad record deep in the data file"])
 def test_under_torchrun_one_line_from_rank0_exit_2(tmp_path, case):
     """Three places a failure can arise: in every rank's pre-flight, in rank 0's alone (the engine URLs; rank 1 is
     then waiting for the process group), and on rank 0 after torch.distributed and the model are up (the data file
-    is read in full only then: megarl.errors.on_rank0 makes every rank stop together)."""
+    is read in full only then: megarl.errors.on_rank0 makes every rank stop together). "Rank 0 the slowest" starts
+    rank 0 late (tests/slow_rank0.py), as a loaded machine does: rank 1 fails first and must not let the launcher stop
+    rank 0 before it has said the error."""
     data = tmp_path / "prompts.jsonl"
     records = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(40)] + [{"prompt": ""}]
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     overrides = {"every rank: unknown estimator": ["algorithm.advantage_estimator=nope"],
+                 "every rank, rank 0 the slowest": ["algorithm.advantage_estimator=nope"],
                  "rank 0 only: unreachable engine": [f"rollout.engine.urls=[http://127.0.0.1:{_closed_port()}]"],
                  "after start-up: a bad record deep in the data file": [f"data.train={data}"]}[case]
-    result = _torchrun(write_config(tmp_path, "run"), *overrides)
+    module = "slow_rank0" if "slowest" in case else "megarl.cli"
+    result = _torchrun(write_config(tmp_path, "run"), *overrides, module=module)
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
