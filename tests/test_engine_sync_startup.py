@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 from megarl.rollout import server as server_module
+from megarl.parallel.env import free_port
 from megarl.rollout.server import EngineError, ServerConfig, SGLangServer, cpu_threads_bind
 
 FAKE = textwrap.dedent('''
@@ -71,6 +72,37 @@ def test_deterministic_failure_is_not_retried(monkeypatch, tmp_path):
     with pytest.raises(EngineError) as error:
         server.start()
     assert state.read_text() == "1" and "OSError: no such model" in str(error.value)
+
+
+def test_taken_port_is_retried_on_a_new_port(monkeypatch, tmp_path):
+    """Another process listens on the port megarl chose (it was free when chosen): the start is retried on a new
+    port, and the retry is judged on its own log lines (the first start's "address already in use" stays in the
+    file)."""
+    import socket
+
+    _fake(monkeypatch, tmp_path, 0, "")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1]])
+        monkeypatch.setattr(server_module, "free_port", lambda: next(ports, None) or free_port())
+        server = SGLangServer(ServerConfig(model_path="m", log_dir=str(tmp_path / "log"), startup_retries=1))
+        try:
+            server.start()
+            assert server.alive() and server.port != taken.getsockname()[1]
+            assert server.url.endswith(f":{server.port}")
+            assert "address already in use" in open(server.log_path).read().lower()
+        finally:
+            server.stop()
+
+
+def test_free_port_is_outside_the_ephemeral_range():
+    """Outgoing connections take their local port from ip_local_port_range; a server port chosen there can be taken
+    before the server binds it."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    if low <= 11000:
+        pytest.skip("no room below this machine's ephemeral port range")
+    assert all(10000 <= free_port() < low for _ in range(20))
 
 
 def test_cpu_threads_bind_splits_the_cores():

@@ -87,7 +87,34 @@ def first_slurm_host(nodelist: str) -> str:
     return hosts[0]
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on, chosen OUTSIDE the kernel's ephemeral range (ip_local_port_range) where one exists.
+
+    The usual bind-to-port-0 trick returns an ephemeral port, which the kernel hands out again as the local port of
+    the next outgoing connection (gloo, HTTP clients, SGLang's own sockets): a server started on it a few seconds
+    later can find it taken ("address already in use"; seen with two trainers and their engines on one machine).
+    Ports below the ephemeral range are only ever taken by a listener that asked for them."""
+    import random
+
+    low = _ephemeral_low()
+    if low > 11000:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(10000, low)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0  # not Linux: bind to port 0

@@ -43,6 +43,14 @@ class _StartupTimeout(EngineError):
     """Start-up ran out of time (retried by SGLangServer.start)."""
 
 
+class _PortTaken(_StartupTimeout):
+    """Another process bound the server's port first (retried by SGLangServer.start, on a new port when megarl chose
+    it)."""
+
+
+_PORT_TAKEN_MARKER = "address already in use"
+
+
 # What SGLang's log says when one of its own start-up steps ran out of time (not a deterministic failure)
 _TIMEOUT_MARKERS = ("warmup error", "ReadTimeout", "TimeoutError", "timed out")
 
@@ -149,6 +157,7 @@ class SGLangServer:
         self.log_path = os.path.join(cfg.log_dir, f"sglang-{self.port}.log")
         self.process: subprocess.Popen | None = None
         self.restarts = 0
+        self._log_start = 0
 
     def start(self) -> "SGLangServer":
         """Start the server and wait until it generates; a start-up that timed out is retried (cfg.startup_retries
@@ -156,6 +165,7 @@ class SGLangServer:
         for attempt in range(self.cfg.startup_retries + 1):
             cmd, env = server_command(self.cfg, self.port)
             with open(self.log_path, "ab") as log:
+                self._log_start = log.tell()  # log_tail reads this start's lines only (the file keeps every start)
                 log.write(f"\n$ {' '.join(cmd)}\n".encode())
                 # Own process group (stop() ends all of it), and on Linux the server dies with the trainer process
                 # that started it, even after a SIGKILL of the trainer (SGLang's own children follow their parent).
@@ -166,6 +176,9 @@ class SGLangServer:
                 return self
             except _StartupTimeout as e:
                 self.stop()
+                if isinstance(e, _PortTaken) and not self.cfg.port:
+                    self.port = free_port()
+                    self.url = f"http://{self.cfg.host}:{self.port}"
                 if attempt == self.cfg.startup_retries:
                     raise EngineError(f"{e} (attempt {attempt + 1} of {self.cfg.startup_retries + 1}; raise "
                                       "rollout.engine.startup_timeout_s or rollout.engine.startup_retries on a "
@@ -183,6 +196,8 @@ class SGLangServer:
                 message = (f"SGLang server exited with code {self.process.returncode} during start-up (model "
                            f"{self.cfg.model_path!r}). Its log ({self.log_path}) ends with:\n"
                            f"{self.log_tail(lines=40)}")
+                if self._port_taken():
+                    raise _PortTaken(message)
                 # SGLang exits by itself when one of its own start-up requests times out on a loaded machine
                 raise (_StartupTimeout if _mentions_timeout(self.log_tail(lines=40)) else EngineError)(message)
             try:
@@ -190,6 +205,9 @@ class SGLangServer:
                     break
             except requests.RequestException:
                 pass
+            if self._port_taken():  # SGLang's HTTP server failed to bind but its other processes live on
+                raise _PortTaken(f"SGLang server could not listen on port {self.port} (taken by another process "
+                                 f"since it was chosen). Its log ({self.log_path}) ends with:\n{self.log_tail()}")
             if any(marker in self.log_tail(lines=10) for marker in _FATAL_MARKERS):
                 # SGLang's launcher can stay alive after a child process failed: do not wait for the timeout.
                 tail = self.log_tail(lines=40)
@@ -223,10 +241,14 @@ class SGLangServer:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def _port_taken(self) -> bool:
+        return _PORT_TAKEN_MARKER in self.log_tail(lines=40).lower()
+
     def log_tail(self, lines: int = 25) -> str:
         try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                return "".join(f.read().decode(errors="replace").splitlines(keepends=True)[-lines:])
         except OSError:
             return "(no log)"
 
