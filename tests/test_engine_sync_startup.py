@@ -105,6 +105,26 @@ def test_free_port_is_outside_the_ephemeral_range():
     assert all(10000 <= free_port() < low for _ in range(20))
 
 
+def test_sglang_imports_only_the_model_modules_that_name_the_architecture(tmp_path):
+    """SGLANG_DISABLED_MODEL_ARCHS skips the model modules that cannot hold the model's class; the one that defines
+    it is kept (found by SGLang's registry in a real start: every engine test), and an unknown architecture or a
+    folder without config.json skips nothing (SGLang's own fallback decides)."""
+    import json
+
+    from megarl.rollout.server import unused_model_modules, server_command
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    skipped = unused_model_modules(str(folder))
+    assert "qwen2" not in skipped and {"llama", "qwen3_moe", "deepseek_v2"} <= set(skipped)
+    _, env = server_command(ServerConfig(model_path=str(folder)), 1234, on_gpu=False)
+    assert env["SGLANG_DISABLED_MODEL_ARCHS"].split(",") == skipped
+    (folder / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"]}))
+    assert unused_model_modules(str(folder)) == []
+    assert unused_model_modules(str(tmp_path / "nowhere")) == []
+
+
 def test_cpu_threads_bind_splits_the_cores():
     assert cpu_threads_bind(2, [0, 1]) == "0|1"
     assert cpu_threads_bind(2, [0, 1, 2, 3]) == "0,1|2,3"

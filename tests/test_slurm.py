@@ -137,27 +137,9 @@ def test_real_slurm_cluster(cluster):
     assert out.stdout.split() == ["n1", "idle", "n2", "idle"], out
 
 
-def test_train_job_completes(cluster, tmp_path):
-    name = "megarl-a"
-    config, run_dir = _config(tmp_path, "run", steps=2)
-    job = _submit(cluster, tmp_path, name, [config])
-    info = _wait(cluster, tmp_path, run_dir, name, job, {"COMPLETED"}, timeout=400)
-    assert info["ExitCode"] == "0:0", info
-    steps = sorted({r["step"] for r in _metric_rows(run_dir)})
-    assert steps == [0, 1, 2]
-    assert "latest" in os.listdir(os.path.join(run_dir, "checkpoints"))
-    assert os.path.isdir(os.path.join(run_dir, "checkpoints", "step_000002"))
-    logs = _node_logs(run_dir, name, job)
-    expected = 2 if cluster.kind == "slurm" else 1
-    assert sorted(logs) == list(range(expected)), logs.keys()
-    for node, text in logs.items():
-        assert f"=== node {node} " in text
-    batch = _batch_log(tmp_path, name, job)
-    assert "training finished" in batch and f"run_dir {run_dir}" in batch, batch
-    _no_leftovers(run_dir)
-
-
 def test_preemption_checkpoints_requeues_and_resumes(cluster, tmp_path):
+    """A job that is signalled before its time limit checkpoints, requeues itself, resumes and completes (one job
+    covers the plain completion too: both attempts' node logs, the final checkpoint, the batch script's report)."""
     name, steps = "megarl-b", 8
     config, run_dir = _config(tmp_path, "preempt", steps=steps)
     job = _submit(cluster, tmp_path, name, [config])
@@ -201,7 +183,13 @@ def test_preemption_checkpoints_requeues_and_resumes(cluster, tmp_path):
     assert "restart 1" in second.splitlines()[0], second[:300]
     assert f"resumed from {os.path.join(run_dir, 'checkpoints', f'step_{stopped:06d}')}" in second, second[-3000:]
     assert not os.path.exists(os.path.join(run_dir, "STOP"))
-    assert "training finished" in _batch_log(tmp_path, name, job)
+    assert "latest" in os.listdir(os.path.join(run_dir, "checkpoints"))
+    logs = _node_logs(run_dir, name, job)
+    assert sorted(logs) == list(range(2 if cluster.kind == "slurm" else 1)), logs.keys()
+    for node, text in logs.items():
+        assert f"=== node {node} " in text
+    batch = _batch_log(tmp_path, name, job)
+    assert "training finished" in batch and f"run_dir {run_dir}" in batch, batch
     _no_leftovers(run_dir)
 
 

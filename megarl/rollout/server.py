@@ -98,6 +98,9 @@ def server_command(cfg: ServerConfig, port: int | str, on_gpu: bool | None = Non
     # megarl never downloads at run time: a missing local model must fail at once, not after hub time-outs.
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    skipped = unused_model_modules(cfg.model_path)
+    if skipped:
+        env.setdefault("SGLANG_DISABLED_MODEL_ARCHS", ",".join(skipped))
     if not on_gpu:
         cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
         env["SGLANG_USE_CPU_ENGINE"] = "1"
@@ -112,6 +115,34 @@ def server_command(cfg: ServerConfig, port: int | str, on_gpu: bool | None = Non
     elif cfg.seeded_sampling:
         cmd += ["--enable-deterministic-inference"]
     return cmd + [str(a) for a in cfg.extra_args], env
+
+
+def unused_model_modules(model_path: str) -> list[str]:
+    """The modules of sglang.srt.models that do not name the model's architectures (config.json), for SGLang's own
+    SGLANG_DISABLED_MODEL_ARCHS: its model registry imports every one of its ~270 model modules at start-up (about 5 s
+    of CPU per server; sglang/srt/models/registry.py, import_model_classes) to find one class. A module is kept when
+    its source names an architecture; when none does (SGLang would fall back to its transformers backend), or the
+    folder has no config.json, nothing is skipped. Read as text: nothing is imported here."""
+    import importlib.util
+    import json
+    import re
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            archs = [a for a in json.load(f).get("architectures") or [] if isinstance(a, str)]
+        spec = importlib.util.find_spec("sglang.srt.models")
+    except (OSError, ValueError, ImportError):
+        return []
+    if not archs or spec is None or not spec.submodule_search_locations:
+        return []
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, archs)) + r")\b")
+    folder = spec.submodule_search_locations[0]
+    kept, skipped = [], []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py") and not name.startswith("_"):
+            with open(os.path.join(folder, name), errors="replace") as f:
+                (kept if pattern.search(f.read()) else skipped).append(name[:-3])
+    return skipped if kept else []
 
 
 def cpu_threads_bind(ranks: int, cores: list[int] | None = None) -> str:
