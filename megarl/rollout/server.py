@@ -191,17 +191,28 @@ class SGLangServer:
         self._log_start = 0
 
     def start(self) -> "SGLangServer":
-        """Start the server and wait until it generates; a start-up that timed out is retried (cfg.startup_retries
-        more times), any other failure raises EngineError at once."""
+        """Start the server and wait until it generates (launch + wait_ready)."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> "SGLangServer":
+        """Start the server process and return at once (wait_ready waits for it), so a trainer can build its models
+        while SGLang starts."""
+        cmd, env = server_command(self.cfg, self.port)
+        with open(self.log_path, "ab") as log:
+            self._log_start = log.tell()  # log_tail reads this start's lines only (the file keeps every start)
+            log.write(f"\n$ {' '.join(cmd)}\n".encode())
+            # Own process group (stop() ends all of it), and on Linux the server dies with the trainer process
+            # that started it, even after a SIGKILL of the trainer (SGLang's own children follow their parent).
+            self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True, preexec_fn=_die_with_parent)
+        return self
+
+    def wait_ready(self) -> "SGLangServer":
+        """Wait until the launched server generates; a start-up that timed out (or whose port was taken) is started
+        again, cfg.startup_retries more times; any other failure raises EngineError at once."""
         for attempt in range(self.cfg.startup_retries + 1):
-            cmd, env = server_command(self.cfg, self.port)
-            with open(self.log_path, "ab") as log:
-                self._log_start = log.tell()  # log_tail reads this start's lines only (the file keeps every start)
-                log.write(f"\n$ {' '.join(cmd)}\n".encode())
-                # Own process group (stop() ends all of it), and on Linux the server dies with the trainer process
-                # that started it, even after a SIGKILL of the trainer (SGLang's own children follow their parent).
-                self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                start_new_session=True, preexec_fn=_die_with_parent)
+            if attempt:
+                self.launch()
             try:
                 self.wait_healthy()
                 return self
