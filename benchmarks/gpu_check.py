@@ -14,6 +14,9 @@ stop the others):
    transport (CUDA IPC), verified by checksums + probe log-probs: step time, tokens/s, train MFU, reshard time,
    trainer-vs-engine log-prob mismatch.
 4. `rl_distributed`: the same for 2 steps over the `distributed` transport (NCCL broadcast into the engine).
+5. `packing`: packed sequences (algorithm.pack_sequences) on the TransformerEngine path, i.e. megatron-core's THD
+   PackedSeqParams, against the padded forward of the same long-tailed RL batch (`benchmarks/packing.py`, a 4-layer
+   model and the Qwen2.5-0.5B shape, bf16): log-prob and gradient differences, tokens computed, time both ways.
 """
 from __future__ import annotations
 
@@ -171,6 +174,24 @@ def step_rl(work: str, transport: str, steps: int) -> dict:
             "ok": len(steps_rows) == steps}
 
 
+PACKING_LOGPROB_MEAN_ATOL = 2e-2  # bf16: THD and padded attention run different kernels
+PACKING_GRAD_RTOL = 5e-2
+
+
+def step_packing(work: str) -> dict:
+    out = os.path.join(work, "packing.json")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "packing.py"), "--case", "long_tail", "--case",
+                           "long_tail_0p5b", "--repeats", "2", "--out", out], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode != 0 or not os.path.isfile(out):
+        raise RuntimeError(f"packing.py failed (rc {proc.returncode}): {proc.stderr[-3000:]}")
+    with open(out) as f:
+        cases = json.load(f)["cases"]
+    ok = all(c["log_probs_mean_abs_diff"] < PACKING_LOGPROB_MEAN_ATOL and c["grad_rel_diff"] < PACKING_GRAD_RTOL
+             for c in cases.values())
+    return {"cases": cases, "ok": ok}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", action="store_true", help="write and check the configs, print them; no GPU needed")
@@ -190,6 +211,7 @@ def main(argv=None) -> int:
               "steps": {}}
     started = time.perf_counter()
     for name, fn in (("logits", lambda: step_logits(args.work)), ("memory", lambda: step_memory(args.work)),
+                     ("packing", lambda: step_packing(args.work)),
                      ("rl_tensor", lambda: step_rl(args.work, "tensor", 3)),
                      ("rl_distributed", lambda: step_rl(args.work, "distributed", 2))):
         t = time.perf_counter()

@@ -2,6 +2,7 @@
 
     megarl-torchrun --nproc_per_node N -m megarl.cli train CONFIG [key=value ...]   # RL (GRPO/PPO family)
     megarl-torchrun --nproc_per_node N -m megarl.cli sft CONFIG [key=value ...]     # SFT cold start
+    megarl-torchrun --nproc_per_node N -m megarl.cli dpo CONFIG [key=value ...]     # DPO / IPO on preference pairs
     megarl-torchrun --nproc_per_node N -m megarl.cli run CONFIG [key=value ...]     # SFT, then RL, then the report
     megarl-torchrun --nproc_per_node N -m megarl.cli eval CONFIG [key=value ...] [--samples 16] [--responses F]
     megarl report RUN_DIR                                                           # PNG curves + markdown summary
@@ -30,7 +31,7 @@ import os
 import sys
 import time
 
-COMMANDS_WITH_CONFIG = ("train", "sft", "run", "eval")
+COMMANDS_WITH_CONFIG = ("train", "sft", "run", "eval", "dpo")
 
 
 def _load(args):
@@ -64,6 +65,16 @@ def _sft(args) -> int:
     from megarl.trainer import run_sft
 
     summary = run_sft(_load(args))
+    parallel.teardown()
+    print(json.dumps(summary))
+    return 0
+
+
+def _dpo(args) -> int:
+    from megarl import parallel
+    from megarl.trainer.dpo import run_dpo
+
+    summary = run_dpo(_load(args))
     parallel.teardown()
     print(json.dumps(summary))
     return 0
@@ -188,7 +199,9 @@ def _parser() -> argparse.ArgumentParser:
                                      "rollouts. Run the training commands under torchrun (or megarl-torchrun).")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("train", "RL training (under torchrun)"), ("sft", "SFT cold start (under torchrun)"),
-                            ("run", "SFT, then RL, then the report (under torchrun)")):
+                            ("run", "SFT, then RL, then the report (under torchrun)"),
+                            ("dpo", "DPO / IPO preference training against the frozen initial policy (under "
+                             "torchrun)")):
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("config", help="YAML preset, e.g. configs/quickstart.yaml")
         p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rl.steps=20 (before or after "
@@ -222,7 +235,8 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="PNG plots + markdown summary of a run folder")
     report.add_argument("run_dir")
     smoke = sub.add_parser("smoke", help="model-bridge smoke run (HF -> sharded Megatron -> HF), under torchrun")
-    smoke.add_argument("--family", default="qwen3", choices=["llama", "qwen2", "qwen3", "qwen3_moe"])
+    smoke.add_argument("--family", default="qwen3", choices=["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe",
+                                                               "mixtral", "deepseek_v3"])  # megarl.models.FAMILIES
     smoke.add_argument("--model", default=None, help="an HF model folder instead of a tiny random one")
     smoke.add_argument("--tp", type=int, default=2)
     smoke.add_argument("--pp", type=int, default=1)
@@ -264,7 +278,7 @@ def main(argv=None) -> int:
     try:
         if getattr(args, "dry_run", False):
             return _dry_run(args)
-        return {"train": _train, "sft": _sft, "run": _run, "report": _report, "eval": _eval,
+        return {"train": _train, "sft": _sft, "dpo": _dpo, "run": _run, "report": _report, "eval": _eval,
                 "convert-gguf": _convert_gguf, "smoke": _smoke}[args.command](args)
     except UserError as e:
         # Rank 0 says it. Before torch.distributed starts every rank checks the same input and fails the same way;

@@ -8,16 +8,35 @@ import ranks
 from megarl.testing import run_ranks, tiny_model_dir
 
 DENSE = ["llama", "qwen2", "qwen3"]
+MOE = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"]
+MLA = ["deepseek_v3"]  # tp=1 layouts only on CPU: ModelBridge refuses tp > 1 for MLA there (test below)
 # (name, layout, world size)
 DENSE_LAYOUTS = [("tp1", {}, 1), ("tp2", {"tp": 2}, 2), ("pp2", {"pp": 2}, 2), ("tp2pp2", {"tp": 2, "pp": 2}, 4)]
-MOE_LAYOUTS = DENSE_LAYOUTS[:2] + [("ep2", {"ep": 2}, 2), ("tp2ep2", {"tp": 2, "ep": 2}, 4),
+MOE_LAYOUTS = DENSE_LAYOUTS[:3] + [("ep2", {"ep": 2}, 2), ("tp2ep2", {"tp": 2, "ep": 2}, 4),
                                    ("tp2ep2etp1", {"tp": 2, "ep": 2, "etp": 1}, 4),
                                    ("pp2ep2", {"pp": 2, "ep": 2}, 4)]
-CASES = [(f, *layout) for f in DENSE for layout in DENSE_LAYOUTS] + [("qwen3_moe", *l) for l in MOE_LAYOUTS]
+CASES = [(f, *layout) for f in DENSE for layout in DENSE_LAYOUTS] + [(f, *l) for f in MOE for l in MOE_LAYOUTS
+                                                                     if f not in MLA or "tp" not in l[1]]
 
 
 def _id(case):
     return f"{case[0]}-{case[1]}"
+
+
+def _each(fn, paths, layout):
+    """fn(path, layout) for several models in one launch: the ranks build megatron's groups once per layout."""
+    return [fn(path, layout) for path in paths]
+
+
+@functools.cache
+def _launch(suite, name):
+    """One launch runs the suite's rank function for every family the suite holds at layout `name`;
+    {family: per-rank results}. suite: "logits", "grads" or "grad_reference" (SUITES, below)."""
+    fn, cases = SUITES[suite]
+    families = [f for f, n, _, _ in cases if n == name]
+    layout, world = next((lay, w) for _, n, lay, w in cases if n == name)
+    per_rank = run_ranks(world, _each, fn, [tiny_model_dir(f) for f in families], layout)
+    return {f: [rank[i] for rank in per_rank] for i, f in enumerate(families)}
 
 
 @functools.cache
@@ -32,10 +51,8 @@ def _hf_reference(family):
     return logits, load_file(f"{path}/model.safetensors")
 
 
-@functools.cache
 def _megatron(family, name):
-    layout, world = next((lay, w) for f, n, lay, w in CASES if f == family and n == name)
-    return run_ranks(world, ranks.logits_and_export, tiny_model_dir(family), layout)
+    return _launch("logits", name)[family]
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
@@ -70,23 +87,21 @@ def test_hf_roundtrip_is_bit_exact(case):
 GRAD_CASES = [(f, n, lay, w) for f in ("qwen2", "qwen3") for n, lay, w in
               [("tp2", {"tp": 2}, 2), ("pp2", {"pp": 2}, 2), ("pp2vpp2", {"pp": 2, "vpp": 2}, 2),
                ("tp2pp2", {"tp": 2, "pp": 2}, 4), ("tp2pp2vpp2", {"tp": 2, "pp": 2, "vpp": 2}, 4)]]
-GRAD_CASES += [("qwen3_moe", "ep2", {"ep": 2}, 2), ("qwen3_moe", "tp2ep2", {"tp": 2, "ep": 2}, 4),
-               ("qwen3_moe", "pp2ep2", {"pp": 2, "ep": 2}, 4)]
-
-
-@functools.cache
-def _reference_grads(family):
-    (result,) = run_ranks(1, ranks.train_grads, tiny_model_dir(family), {})
-    return result
+GRAD_CASES += [(f, n, lay, w) for f in MOE for n, lay, w in
+               [("ep2", {"ep": 2}, 2), ("tp2ep2", {"tp": 2, "ep": 2}, 4), ("pp2ep2", {"pp": 2, "ep": 2}, 4)]
+               if f not in MLA or "tp" not in lay]
+GRAD_REFERENCES = [(f, "tp1", {}, 1) for f in dict.fromkeys(f for f, *_ in GRAD_CASES)]
+SUITES = {"logits": (ranks.logits_and_export, CASES), "grads": (ranks.train_grads, GRAD_CASES),
+          "grad_reference": (ranks.train_grads, GRAD_REFERENCES)}
 
 
 @pytest.mark.parametrize("case", GRAD_CASES, ids=_id)
 def test_grads_match_single_rank(case):
-    family, _, layout, world = case
-    reference = _reference_grads(family)
+    family, name, _, _ = case
+    (reference,) = _launch("grad_reference", "tp1")[family]
     ref = reference["grads"]
     grads, losses = {}, None
-    for r in run_ranks(world, ranks.train_grads, tiny_model_dir(family), layout):
+    for r in _launch("grads", name)[family]:
         grads.update(r["grads"])
         losses = r["losses"] or losses
     assert sorted(grads) == sorted(ref)
@@ -94,6 +109,16 @@ def test_grads_match_single_rank(case):
         assert ref[key].abs().max() > 0, f"reference grad of {key} is zero: the check would be vacuous"
         assert (grads[key] - ref[key]).abs().max().item() < 1e-5, key
     assert torch.allclose(torch.stack(losses), torch.stack(reference["losses"]), atol=1e-5)
+
+
+def test_mla_refuses_tensor_parallel_on_cpu():
+    from megarl.testing import RankFailure
+
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(2, ranks.build, tiny_model_dir("deepseek_v3"), tp=2, load=False)
+    message = str(failure.value)
+    assert "ParallelConfigError: parallel.tp=2: deepseek_v3 (multi-latent attention) trains exactly only at tp=1 on " \
+           "CPU" in message and "Fix: set parallel.tp: 1" in message
 
 
 def _tied_then_untied(tied_path, untied_path):

@@ -6,8 +6,10 @@ from .config import AlgorithmConfig, AlgorithmConfigError, MismatchConfig
 from .kl import KL_ESTIMATORS, kl_estimate
 from .mismatch import MISMATCH_MODES, mismatch_weights
 from .policy_losses import POLICY_LOSSES, register_policy_loss, value_loss
+from .token_selection import entropy_split, global_top_mask, loss_phases
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "KL_ESTIMATORS", "MISMATCH_MODES", "POLICY_LOSSES",
-           "AlgorithmConfig", "AlgorithmConfigError", "MismatchConfig", "compute_advantages", "global_counts",
+           "AlgorithmConfig", "AlgorithmConfigError", "MismatchConfig", "compute_advantages", "entropy_split",
+           "global_counts", "global_top_mask", "loss_phases",
            "kl_estimate", "loss_weights", "masked_whiten", "mismatch_weights", "register_advantage",
            "register_policy_loss", "value_loss"]

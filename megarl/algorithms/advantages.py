@@ -24,6 +24,9 @@ register_advantage = registrar(ADVANTAGE_ESTIMATORS)
 NEEDS_GROUPS = {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo", "maxrl", "opo", "gpg", "grpo_passk"}
 # Estimators that honour algorithm.std_normalize (divide by the group's reward std).
 STD_NORMALIZED = {"grpo", "grpo_passk", "gdpo"}
+# Estimators whose baseline is the reward of one greedy (temperature 0) rollout of the same prompt: the rollout asks
+# the engine for it (not trained on), scores it with the same reward and hands it in as `baseline` per sample.
+GREEDY_BASELINE = {"remax"}
 
 
 def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor):
@@ -244,6 +247,15 @@ def grpo_passk(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Ten
         gap = top[0] - top[1]
         adv[members[where[0]]] = gap / (std[members[0]] + eps) if std_normalize else gap
     return _broadcast(adv, mask), _broadcast(scores, mask)
+
+
+@register_advantage("remax")
+def remax(*, scores: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor | None = None, **_):
+    """ReMax (arXiv:2310.10505): A_i = r_i - r(greedy response of the same prompt), the greedy rollout's reward as
+    the baseline (`baseline` [b], one per sample: its prompt's greedy reward, scored by the same reward function)."""
+    if baseline is None or baseline.shape != scores.shape:
+        raise ValueError("remax needs `baseline`, the reward of each sample's greedy rollout, shaped like scores")
+    return _broadcast(scores - baseline.to(scores.dtype), mask), _broadcast(scores, mask)
 
 
 def compute_advantages(name: str, **inputs):

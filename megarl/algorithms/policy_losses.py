@@ -7,6 +7,8 @@ Every loss has the signature
 log_prob carries the gradient; old_log_prob and advantages do not. cfg is the AlgorithmConfig. seq_sum(x) sums a
 token tensor within each sequence (across context-parallel shards), for sequence-level ratios. stats maps a name to a
 per-token 0/1 or value tensor; the loss function averages them over the response tokens (clip fractions, ratio).
+Losses that treat tokens chosen before the loss apart (clip_cov, kl_cov) also take selected=[b, s] 0/1
+(TokenBatch.selected, from megarl.algorithms.token_selection.loss_phases).
 Aggregation over tokens and sequences happens outside (megarl.algorithms.aggregation).
 """
 from __future__ import annotations
@@ -150,6 +152,77 @@ def adv_reweight(log_prob, old_log_prob, advantages, mask, cfg, seq_sum):
     weight = cfg.adv_reweight_alpha * torch.exp(log_prob.detach()) + (1 - cfg.adv_reweight_alpha)
     loss, stats = ppo_clip(log_prob, old_log_prob, advantages * weight, mask, cfg, seq_sum)
     return loss, dict(stats, adv_weight=weight)
+
+
+def future_kl(log_ratio: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """FIPO's Future-KL [b, s]: sum_{k >= t} gamma^(k - t) M_k log_ratio_k within each row (one sequence per row; a
+    suffix sum, so a sequence split over context-parallel ranks would need the later shards' sums: FIPO refuses CP)."""
+    out = torch.zeros_like(log_ratio)
+    running = torch.zeros(log_ratio.shape[0], dtype=log_ratio.dtype)
+    for t in reversed(range(log_ratio.shape[1])):
+        running = log_ratio[:, t] * mask[:, t] + gamma * running
+        out[:, t] = running
+    return out
+
+
+def fipo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor:
+    """FIPO's influence weights f_t = clip(exp(FutureKL_t), lo, 1 + fipo_clip_range), gamma = 2^(-1/decay_rate),
+    lo = 1 with fipo_clip_high_only else 1 - fipo_clip_range; detached, 1 outside the mask."""
+    gamma = 2.0 ** (-1.0 / cfg.fipo_decay_rate)
+    low = 1.0 if cfg.fipo_clip_high_only else 1.0 - cfg.fipo_clip_range
+    weight = torch.exp(future_kl(log_ratio.detach().float(), mask.float(), gamma)).clamp(low, 1 + cfg.fipo_clip_range)
+    return torch.where(mask > 0, weight, torch.ones_like(weight))
+
+
+@register_policy_loss("fipo")
+def fipo(log_prob, old_log_prob, advantages, mask, cfg, seq_sum):
+    """FIPO, Future-KL Influenced Policy Optimization (arXiv:2603.19835): the PPO clip loss (ppo_clip, with its clip
+    bounds and dual clip) on the future-aware advantage A~_t = A_t * f_t, with
+
+        Delta_t = log pi(o_t) - log pi_old(o_t),   FutureKL_t = sum_{k >= t} gamma^(k - t) M_k Delta_k,
+        f_t = sg(clip(exp(FutureKL_t), 1 - eps_f, 1 + eps_f)),   gamma = 2^(-1 / fipo_decay_rate)
+
+    (eps_f = algorithm.fipo_clip_range; with fipo_clip_high_only the lower bound is 1, as the authors' default), so
+    tokens whose continuation the update is reinforcing get more credit. At the first update of a batch
+    (pi = pi_old) every f_t is 1 and FIPO is ppo_clip. Not implemented: the reference code's optional filtering of
+    high-IS-ratio tokens out of the Future-KL sum and its extra safety cap (ms-swift's delta /
+    fipo_safety_threshold)."""
+    weight = fipo_weights(log_prob - old_log_prob, mask, cfg)
+    loss, stats = ppo_clip(log_prob, old_log_prob, advantages * weight, mask, cfg, seq_sum)
+    return loss, dict(stats, fipo_weight=weight)
+
+
+def _needs_selected(name, selected):
+    if selected is None:
+        raise ValueError(f"algorithm.policy_loss={name} needs the tokens chosen before the loss (TokenBatch.selected, "
+                         "set by megarl.algorithms.loss_phases). Fix: build the batch with loss_phases()")
+
+
+@register_policy_loss("clip_cov")
+def clip_cov(log_prob, old_log_prob, advantages, mask, cfg, seq_sum, selected=None):
+    """Clip-Cov ("The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models", arXiv:2505.22617;
+    verl's clip_cov): the ppo_clip loss, with the gradient of a small random set of high-covariance tokens cut off:
+    loss_t = ppo_clip_t * (1 - sel_t), sel chosen before the loss (token_selection.clip_cov_select) among the tokens
+    with clip_cov_lb < Cov_t < clip_cov_ub, Cov_t = (A_t - mean A)(log pi_old_t - mean log pi_old) over the global
+    batch, clip_cov_ratio of the response tokens. Documented choices: the covariance uses the old policy's log-probs
+    and global means (verl: the current log-probs of the micro-batch, equal at the first update), so the selection
+    is layout-invariant; verl also skips tokens the PPO clip already cut, which have no gradient either way."""
+    _needs_selected("clip_cov", selected)
+    loss, stats = ppo_clip(log_prob, old_log_prob, advantages, mask, cfg, seq_sum)
+    return loss * (1 - selected), dict(stats, cov_selected_frac=selected)
+
+
+@register_policy_loss("kl_cov")
+def kl_cov(log_prob, old_log_prob, advantages, mask, cfg, seq_sum, selected=None):
+    """KL-Cov (arXiv:2505.22617; verl's kl_cov): the unclipped surrogate -A_t r_t plus a KL penalty
+    kl_cov_coef * |log r_t| on the kl_cov_ratio fraction of response tokens with the largest
+    Cov_t = (A_t - mean A)(log pi_old_t - mean log pi_old) (global means and a global top-k, chosen before the loss:
+    token_selection.kl_cov_select)."""
+    _needs_selected("kl_cov", selected)
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    loss = -advantages * ratio + cfg.kl_cov_coef * log_ratio.abs() * selected
+    return loss, {"ratio": ratio.detach(), "cov_selected_frac": selected}
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None):

@@ -1,8 +1,10 @@
 """Datasets: prompt sets for RL and chat samples for SFT (JSONL / Parquet / the built-in synthetic task), and chat
 tokenisation with assistant-only loss masks and sequence packing."""
 from .chat import ChatTokenizer, pack_samples
-from .datasets import DataError, PromptRecord, load_prompts, load_responses, load_sft_samples, read_records
+from .datasets import (DataError, PreferencePair, PromptRecord, load_preference_pairs, load_prompts, load_responses,
+                       load_sft_samples, read_records)
 from .synthetic import arithmetic_problems
 
-__all__ = ["ChatTokenizer", "DataError", "PromptRecord", "arithmetic_problems", "load_prompts", "load_responses",
-           "load_sft_samples", "pack_samples", "read_records"]
+__all__ = ["ChatTokenizer", "DataError", "PreferencePair", "PromptRecord", "arithmetic_problems",
+           "load_preference_pairs", "load_prompts", "load_responses", "load_sft_samples", "pack_samples",
+           "read_records"]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..errors import UserError
 from .chat import ChatTokenizer, SFTSample
-from .synthetic import noisy_answers, synthetic_splits, tool_use_demonstrations
+from .synthetic import noisy_answers, synthetic_splits, tool_use_demonstrations, wrong_answers
 
 
 class DataError(UserError, ValueError):
@@ -175,3 +175,75 @@ def load_responses(spec: str, tokenizer: ChatTokenizer, cfg, tools=None) -> list
         out.append((tokenizer.prompt_ids(messages, tools=tools),
                     tokenizer.response_ids(messages, response, tools=tools)))
     return out
+
+
+# ---------------------------------------------------------------------------------------------- preference pairs
+@dataclass
+class PreferencePair:
+    """One preference record as token ids: the rendered prompt, and the chosen and the rejected response as the
+    assistant turn after it (content and end-of-turn token, ChatTokenizer.response_ids)."""
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+
+
+def _pair_prompt(where: str, record: dict, cfg) -> list[dict]:
+    prompt = record.get(cfg.prompt_key)
+    if isinstance(prompt, list):  # chat messages under "prompt" (the conversational preference format)
+        _check_messages(where, prompt, cfg.prompt_key)
+        messages = list(prompt)
+        if cfg.system_prompt and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": cfg.system_prompt}] + messages
+        return messages
+    return _messages(where, record, cfg)
+
+
+def _pair_response(where: str, record: dict, key: str) -> str:
+    """A response: a string, or a list of messages ending with the assistant's (its content is the response)."""
+    value = record.get(key)
+    if isinstance(value, list) and value:
+        _check_messages(where, value, key)
+        value = value[-1].get("content") if value[-1]["role"] == "assistant" else None
+    if not isinstance(value, str) or not value:
+        raise DataError(f"{where}: field {key!r} must be a non-empty string (or chat messages ending with the "
+                        f"assistant's), got {record.get(key)!r}. Fix the record: preference records are "
+                        '{"prompt": ..., "chosen": "...", "rejected": "..."}')
+    return value
+
+
+def _preference_pair(where: str, record: dict, tokenizer: ChatTokenizer | None, cfg):
+    messages = _pair_prompt(where, record, cfg)
+    chosen, rejected = _pair_response(where, record, "chosen"), _pair_response(where, record, "rejected")
+    if chosen == rejected:
+        raise DataError(f"{where}: 'chosen' and 'rejected' are the same text, so the pair prefers nothing")
+    if tokenizer is None:  # a pre-flight check before the model's tokenizer exists
+        return None
+    prompt_ids = tokenizer.prompt_ids(messages)
+    if len(prompt_ids) > cfg.max_prompt_tokens:
+        raise DataError(f"{where}: the prompt is {len(prompt_ids)} tokens, above data.max_prompt_tokens="
+                        f"{cfg.max_prompt_tokens}. Fix: shorten it, drop it, or raise the limit")
+    return PreferencePair(prompt_ids, tokenizer.response_ids(messages, chosen), tokenizer.response_ids(messages,
+                                                                                                        rejected))
+
+
+def load_preference_pairs(spec: str, tokenizer: ChatTokenizer, cfg) -> list[PreferencePair]:
+    """Preference pairs for DPO / IPO. spec: a JSONL/Parquet file of {"prompt": string or chat messages (or
+    data.messages_key), "chosen": response, "rejected": response} records, a response being a string or chat messages
+    ending with the assistant's; or "synthetic": the synthetic task's training problems with the right answer chosen
+    and a wrong one (off by 1-3) rejected."""
+    if spec == "synthetic":
+        train, _ = synthetic_splits(cfg.synthetic)
+        wrong = wrong_answers(train, cfg.synthetic.seed + 4)
+        records = [(f"synthetic:train[{i}]", {cfg.prompt_key: p["prompt"], "chosen": p["answer"],
+                                              "rejected": w["answer"]}) for i, (p, w) in enumerate(zip(train, wrong))]
+    else:
+        records = read_records(spec)
+    return [_preference_pair(where, record, tokenizer, cfg) for where, record in records]
+
+
+def check_preference_records(path: str, cfg, tokenizer: ChatTokenizer | None, first: int) -> int:
+    """Pre-flight: the first `first` preference records of a file are usable; returns how many were checked."""
+    records = read_records(path, limit=first)
+    for where, record in records:
+        _preference_pair(where, record, tokenizer, cfg)
+    return len(records)

@@ -58,6 +58,13 @@ def noisy_answers(problems: list[dict], share: float, seed: int) -> list[dict]:
     return out
 
 
+def wrong_answers(problems: list[dict], seed: int) -> list[dict]:
+    """A copy of `problems` with every answer wrong by a small nonzero amount (-3..3): the rejected side of synthetic
+    preference pairs."""
+    rng = random.Random(seed)
+    return [dict(p, answer=str(int(p["answer"]) + rng.choice([-3, -2, -1, 1, 2, 3]))) for p in problems]
+
+
 def tool_use_demonstrations(problems: list[dict], share: float, seed: int) -> list[list[dict]]:
     """SFT conversations for a tool-use cold start: a `share` of the problems (seeded) are solved by calling the
     calculator tool and answering with its result; the rest are answered directly with the problem's answer."""

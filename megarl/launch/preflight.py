@@ -53,10 +53,13 @@ def preflight(cfg, command: str, *, engines: bool = False, world_size: int | Non
         done.append(f"model.tiny: a random {cfg.model.tiny.family} model written to {cfg.run_dir}/base-model")
     rl = command in ("train", "run", "eval")
     sft = command == "sft" or (command == "run" and cfg.sft.steps > 0)
+    if command == "dpo":
+        done.append(check_load(cfg, produced_by_sft=False))
     if rl:
         done.append(check_load(cfg, produced_by_sft=command == "run" and cfg.sft.steps > 0))
         done.append(check_reward(cfg))
-    done += check_data(cfg, rl=rl, sft=sft, tokenizer=tokenizer, first_records=first_records)
+    done += check_data(cfg, rl=rl, sft=sft, tokenizer=tokenizer, first_records=first_records,
+                       dpo=command == "dpo")
     if rl and engines:
         done += check_engines(cfg.rollout.engine.urls)
     return done
@@ -128,10 +131,10 @@ def check_reward(cfg) -> str:
     return f"reward.name {cfg.reward.name}"
 
 
-def check_data(cfg, rl: bool, sft: bool, tokenizer, first_records: int) -> list[str]:
+def check_data(cfg, rl: bool, sft: bool, tokenizer, first_records: int, dpo: bool = False) -> list[str]:
     """The first records of every data file the command reads parse and have the fields the run needs (rendered
     with the model's chat template when its tokenizer is here, which also checks data.max_prompt_tokens)."""
-    from ..data.datasets import check_prompt_records, check_sft_records
+    from ..data.datasets import check_preference_records, check_prompt_records, check_sft_records
 
     done = []
     specs = []
@@ -141,6 +144,8 @@ def check_data(cfg, rl: bool, sft: bool, tokenizer, first_records: int) -> list[
             specs.append(("data.eval", cfg.data.eval, check_prompt_records))
     if sft:
         specs.append(("sft.data", cfg.sft.data, check_sft_records))
+    if dpo:
+        specs.append(("dpo.data", cfg.dpo.data, check_preference_records))
     for field, spec, check in specs:
         if spec == "synthetic":
             done.append(f"{field}: synthetic")

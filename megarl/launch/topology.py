@@ -178,15 +178,12 @@ def model_shape(cfg) -> tuple[Optional[ModelShape], str]:
 
 
 def _shape_from_hf(raw: dict, source: str) -> ModelShape:
-    """HF config.json fields -> ModelShape, as megarl.models.hf.HFModelFolder.shape() maps them (plus DeepSeek's
-    n_routed_experts, so a DeepSeek-V3 folder can be planned although megarl cannot build it yet)."""
+    """HF config.json fields -> ModelShape, as megarl.models.hf.HFModelFolder.shape() maps them (megarl.models.hf
+    knows each family's field names)."""
+    from ..models.hf import model_shape
+
     try:
-        heads = int(raw["num_attention_heads"])
-        return ModelShape(num_layers=int(raw["num_hidden_layers"]), num_attention_heads=heads,
-                          num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-                          ffn_hidden_size=int(raw["intermediate_size"]),
-                          num_experts=raw.get("num_experts") or raw.get("n_routed_experts"),
-                          moe_ffn_hidden_size=raw.get("moe_intermediate_size"))
+        return model_shape(raw)
     except (KeyError, TypeError, ValueError) as e:
         raise TopologyError(f"{source}: cannot read the model shape ({e!r} missing or not an integer). Fix: restore "
                             "config.json from the original model") from None

@@ -39,6 +39,7 @@ class TokenBatch:
     returns: Optional[torch.Tensor] = None  # critic targets (GAE returns)
     old_values: Optional[torch.Tensor] = None  # the critic's values at rollout time (value clipping anchor)
     routed_experts: Optional[torch.Tensor] = None  # [b, s, layers, top-k] the engine's MoE routing (R3 replay)
+    selected: Optional[torch.Tensor] = None  # [b, s] 0/1 tokens chosen before the loss (clip_cov / kl_cov; loss_phases)
 
     def __post_init__(self):
         shape = tuple(self.input_ids.shape)
@@ -160,8 +161,9 @@ def rl_objective(log_prob: torch.Tensor, entropy: torch.Tensor, batch: TokenBatc
     rollout = batch.rollout_log_probs if batch.rollout_log_probs is not None else batch.old_log_probs
     is_weight, kept = mismatch_weights(batch.old_log_probs, rollout, mask, cfg.mismatch.mode, seq_sum,
                                        cap=cfg.mismatch.cap, low=cfg.mismatch.low, high=cfg.mismatch.high)
+    selected = {"selected": batch.selected} if batch.selected is not None else {}  # clip_cov / kl_cov
     pg_loss, stats = POLICY_LOSSES[cfg.policy_loss](log_prob, batch.old_log_probs, batch.advantages, kept, cfg,
-                                                    seq_sum)
+                                                    seq_sum, **selected)
     per_token = pg_loss * is_weight
     metrics = {"mean/pg_loss": _mean_stat(pg_loss, kept), "mean/entropy": _mean_stat(entropy, mask),
                "mean/ppo_kl": _mean_stat(batch.old_log_probs - log_prob, kept),
@@ -196,7 +198,63 @@ def sft_objective(log_prob: torch.Tensor, entropy: torch.Tensor, batch: TokenBat
     return loss, {"mean/nll": _mean_stat(-log_prob, mask), "mean/entropy": _mean_stat(entropy, mask)}
 
 
-OBJECTIVES: dict[str, Callable] = {"rl": rl_objective, "sft": sft_objective}
+def _seq_sum_with_grad(x: torch.Tensor, cp_group) -> torch.Tensor:
+    """Per-row sums of x [b, s] over the whole sequence (summed over the CP group, whose ranks hold pieces of it), with
+    the gradient of this rank's piece scaled by the CP size. A loss f(sum) / cp on every CP rank then adds up to f(sum)
+    and its gradients to f'(sum) * d(sum): Megatron multiplies the loss by cp and DDP averages over DP x CP, so each
+    rank's share of a nonlinear sequence-level loss needs exactly this (an all-reduce with autograd would need its own
+    backward collective)."""
+    local = x.sum(-1)
+    if cp_group is None or dist.get_world_size(cp_group) == 1:
+        return local
+    total = local.detach().clone()
+    dist.all_reduce(total, group=cp_group)
+    cp = dist.get_world_size(cp_group)
+    return total + cp * (local - local.detach())
+
+
+def preference_objective(log_prob: torch.Tensor, entropy: torch.Tensor, batch: TokenBatch, cfg, cp_group=None):
+    """DPO / IPO on preference pairs: rows 2k and 2k + 1 of the micro-batch are the chosen and the rejected response
+    of pair k (the same prompt), batch.ref_log_probs the frozen reference's log-probs of the same tokens.
+
+    h = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log ref(rejected)), each a sum over the response's
+    tokens (summed over the CP group). Loss per pair: dpo (arXiv:2305.18290) -(1 - eps) log sigmoid(beta h)
+    - eps log sigmoid(-beta h) (eps = cfg.label_smoothing, conservative DPO; 0: plain DPO); ipo (arXiv:2310.12036)
+    (h - 1 / (2 beta))^2. Each pair's weight is the sum of its two rows' loss_weight (seq-mean-token-mean gives
+    1 / pairs in the global batch), so the loss is the mean over the global batch's pairs whatever the layout; pairs
+    of padding rows (no response tokens) weigh 0. Metrics per pair: the implicit rewards beta * (log pi - log ref) of
+    chosen and rejected, their margin, and the reward accuracy (chosen rewarded above rejected)."""
+    if batch.ref_log_probs is None:
+        raise ValueError("the preference objective needs ref_log_probs (the frozen reference's log-probs)")
+    if batch.input_ids.shape[0] % 2:
+        raise ValueError(f"a preference micro-batch holds pairs as adjacent rows; got {batch.input_ids.shape[0]} rows")
+    mask = batch.loss_mask
+    log_ratio = _seq_sum_with_grad((log_prob - batch.ref_log_probs) * mask, cp_group).view(-1, 2)
+    weight = _seq_sum(cp_group)(batch.loss_weight * mask).view(-1, 2).sum(-1)
+    h = log_ratio[:, 0] - log_ratio[:, 1]
+    if cfg.loss_type == "ipo":
+        per_pair = (h - 1 / (2 * cfg.beta)) ** 2
+    else:
+        eps = cfg.label_smoothing
+        per_pair = -(1 - eps) * torch.nn.functional.logsigmoid(cfg.beta * h) \
+            - eps * torch.nn.functional.logsigmoid(-cfg.beta * h)
+    cp = dist.get_world_size(cp_group) if cp_group is not None else 1
+    loss = (per_pair * weight).sum() / cp
+    with torch.no_grad():
+        real = (weight > 0).float()
+        rewards = cfg.beta * log_ratio.detach()
+
+        def stat(values):
+            return torch.stack([(values.float() * real).sum(), real.sum()])
+
+        metrics = {"mean/chosen_reward": stat(rewards[:, 0]), "mean/rejected_reward": stat(rewards[:, 1]),
+                   "mean/margin": stat(rewards[:, 0] - rewards[:, 1]),
+                   "mean/reward_accuracy": stat(rewards[:, 0] > rewards[:, 1]),
+                   "mean/pair_loss": stat(per_pair.detach()), "mean/entropy": _mean_stat(entropy, mask)}
+    return loss, metrics
+
+
+OBJECTIVES: dict[str, Callable] = {"rl": rl_objective, "sft": sft_objective, "preference": preference_objective}
 
 
 def value_objective(values: torch.Tensor, batch: TokenBatch, cfg: AlgorithmConfig) -> tuple[torch.Tensor, dict]:
@@ -234,12 +292,15 @@ def make_value_loss_func(batch: TokenBatch, cfg: AlgorithmConfig, *, num_microba
 # ---------------------------------------------------------------------------------------------- Megatron adapter
 def make_loss_func(batch: TokenBatch, cfg: AlgorithmConfig | None, *, num_microbatches: int, vocab_size: int,
                    objective: str = "rl", temperature: float | None = None, tp_group=None, cp_group=None,
-                   dp_size: int | None = None, model_config=None):
+                   dp_size: int | None = None, model_config=None, packing=None):
     """The loss_func a forward_step_func returns to Megatron's schedule, for one micro-batch.
 
     Groups and the DP size default to megatron.core.parallel_state's. Returns loss_func(output) -> (scaled loss,
     metrics), output being the last pipeline stage's: this TP rank's logits [b, s, vocab/tp], or the final hidden
     states + output weight (a HeadInput, megarl.losses.fused_linear) when run with the fused output layer.
+    packing: the micro-batch's megarl.models.forward.PackedLayout when the model ran on its rows packed into one
+    (algorithm.pack_sequences): the output is then [1, total, ...]; log-probs and entropy are computed there and
+    unpacked to [b, s] before the objective, which sees exactly what the padded forward gives.
     """
     from megatron.core import parallel_state as ps
 
@@ -255,9 +316,13 @@ def make_loss_func(batch: TokenBatch, cfg: AlgorithmConfig | None, *, num_microb
     temperature = temperature if temperature is not None else (cfg.temperature if cfg is not None else 1.0)
     fn = OBJECTIVES[objective]
 
+    targets = batch.targets if packing is None else packing.pack(batch.targets)
+
     def loss_func(output):
-        log_prob, entropy = logprob_entropy(output, batch.targets, vocab_size=vocab_size, temperature=temperature,
+        log_prob, entropy = logprob_entropy(output, targets, vocab_size=vocab_size, temperature=temperature,
                                             group=tp_group)
+        if packing is not None:
+            log_prob, entropy = packing.unpack(log_prob), packing.unpack(entropy)
         loss, metrics = fn(log_prob, entropy, batch, cfg, cp_group=cp_group)
         metrics["loss"] = torch.stack([loss.detach(), torch.ones(())])
         return loss * (num_microbatches * dp_size), metrics

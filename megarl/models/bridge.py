@@ -19,6 +19,7 @@ What is written here, and why:
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -31,12 +32,52 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel, platform
+from ..parallel.config import ParallelConfigError
 from .checkpoint import publish_dir
 from .hf import HFModelFolder, open_model_folder
 
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+
+
+# TransformerConfig fields a family needs beyond what its mbridge bridge sets (a function of the HF config).
+_FAMILY_CONFIG = {
+    # Qwen2-MoE scales its shared expert by sigmoid(x @ shared_expert_gate): megatron-core's SharedExpertMLP gate.
+    # mbridge maps the gate tensor (shared_experts.gate_weight) but leaves the gate off.
+    "qwen2_moe": lambda c: dict(moe_shared_expert_gate=True),
+    # DeepSeek-V3. Group-limited routing (n_group groups, the best topk_group of them; a group scores the sum of its
+    # best topk/topk_group experts, which is DeepSeek's top-2 for V3's 8 of 4 groups): mbridge does not set it.
+    # Router probabilities from sigmoid scores are renormalised over the top-k (norm_topk_prob) and multiplied by
+    # routed_scaling_factor (mbridge: moe_router_topk_scaling_factor). The MTP layer (num_nextn_predict_layers) is
+    # skipped: megarl trains the next-token loss only, transformers builds no MTP layer to compare against, and its
+    # tensors (model.layers.{num_hidden_layers}.*) are neither loaded nor exported. attention_backend: mbridge asks
+    # for TE's fused attention, which the GPU (TE spec) keeps; on CPU it is megatron-core's default, as for every other
+    # family (the local spec's attention does not read it, but GPTModel exports it as process-wide NVTE_* variables and
+    # asserts that every model built in the process agrees).
+    "deepseek_v3": lambda c: dict(moe_router_num_groups=c.n_group, moe_router_group_topk=c.topk_group,
+                                  mtp_num_layers=None, mtp_loss_scaling_factor=None,
+                                  **({} if platform.on_gpu() else {"attention_backend": "auto"})),
+}
+
+
+def _mla_config(**fields):
+    """MLATransformerConfig from mbridge 0.15.1's fields: it passes max_position_embeddings, which megatron-core 0.19
+    names original_max_position_embeddings (YaRN's original context length)."""
+    from megatron.core.transformer import MLATransformerConfig
+
+    fields["original_max_position_embeddings"] = fields.pop("max_position_embeddings")
+    return MLATransformerConfig(**fields)
+
+
+def _mbridge_class(model_type: str):
+    """mbridge's bridge class for model_type, adapted where mbridge 0.15.1 and megatron-core 0.19.2 disagree."""
+    from mbridge.core.auto_bridge import _MODEL_REGISTRY  # what AutoBridge.from_config looks the class up in
+
+    cls = _MODEL_REGISTRY[model_type]
+    if model_type == "deepseek_v3":
+        return type(cls.__name__, (cls,), {"TransformerConfigClass": staticmethod(_mla_config)})
+    return cls
 
 
 def is_expert_param(name: str) -> bool:
@@ -54,7 +95,6 @@ class ModelBridge:
 
     def __init__(self, hf: str | HFModelFolder, dtype: torch.dtype | None = None,
                  make_vocab_size_divisible_by: int = 128, config_overrides: dict | None = None):
-        from mbridge import AutoBridge
         from megatron.core import parallel_state as ps
 
         if not ps.model_parallel_is_initialized():
@@ -65,8 +105,12 @@ class ModelBridge:
         # mbridge reads rope_theta as an attribute; transformers 5 keeps it in rope_parameters.
         if not hasattr(hf_config, "rope_theta"):
             hf_config.rope_theta = self.hf.rope_theta
+        # mbridge reads head_dim with getattr(config, "head_dim", hidden // heads); transformers 5's Mixtral config
+        # has the attribute set to None when config.json has no head_dim, which that default does not catch.
+        if getattr(hf_config, "head_dim", 0) is None:
+            hf_config.head_dim = hf_config.hidden_size // hf_config.num_attention_heads
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.mb = AutoBridge.from_config(hf_config, dtype=self.dtype)
+        self.mb = _mbridge_class(hf_config.model_type)(hf_config, dtype=self.dtype)
         self._isolate_name_tables()
         self.mb.set_extra_args(**self._config_extras(config_overrides or {}))
         self.config = self.mb.config
@@ -74,6 +118,15 @@ class ModelBridge:
         self.tp, self.tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         self.etp, self.etp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
         self.ep, self.ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+        if self.config.multi_latent_attention and self.tp > 1 and not platform.on_gpu():
+            # megatron-core 0.19.2's local-spec MLA builds the kv down projection as a ColumnParallelLinear and gathers
+            # its output with gather_from_tensor_model_parallel_region, whose backward keeps this rank's slice of the
+            # gradient: the RoPE key part, shared by every rank's heads, loses the other ranks' share (logits are
+            # right, gradients are not; measured against tp=1). The TE spec replicates the down projections instead.
+            raise ParallelConfigError(
+                f"parallel.tp={self.tp}: {hf_config.model_type} (multi-latent attention) trains exactly only at tp=1 "
+                "on CPU (megatron-core's local MLA drops part of the RoPE key's gradient under tensor parallelism). Fix: "
+                "set parallel.tp: 1 and split the model with parallel.ep / parallel.pp.")
         self.vocab_size = hf_config.vocab_size
         multiple = make_vocab_size_divisible_by * self.tp
         self.padded_vocab_size = int(math.ceil(self.vocab_size / multiple) * multiple)
@@ -94,9 +147,12 @@ class ModelBridge:
             # Qwen3-MoE renormalises the top-k probabilities when norm_topk_prob is set: that is Megatron's softmax
             # over the top-k logits (pre_softmax=False). Without it, probabilities come from a softmax over all
             # experts (pre_softmax=True). mbridge always sets False.
+            # Mixtral has no norm_topk_prob and always renormalises (a softmax over the top-k logits).
             extras.update(moe_router_pre_softmax=not getattr(c, "norm_topk_prob", True),
                           moe_token_dispatcher_type="alltoall",
                           moe_aux_loss_coeff=float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0))
+        if self.hf.model_type in _FAMILY_CONFIG:
+            extras.update(_FAMILY_CONFIG[self.hf.model_type](c))
         extras.update(overrides)
         return extras
 
@@ -115,8 +171,12 @@ class ModelBridge:
 
         if platform.on_gpu():
             return get_gpt_decoder_block_spec(self.config, use_transformer_engine=True, vp_stage=vp_stage)
-        return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, normalization="RMSNorm",
+        spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, normalization="RMSNorm",
                                           vp_stage=vp_stage)
+        if self.config.multi_latent_attention:
+            for layer in spec.layer_specs:
+                layer.submodules.self_attention.submodules.core_attention = mla_core_attention()
+        return spec
 
     def build(self, value_head: bool = False) -> list:
         """The GPTModel chunks this rank holds (one per virtual pipeline stage), randomly initialised.
@@ -176,7 +236,15 @@ class ModelBridge:
                 expert = self.ep_rank * experts_per_rank + int(match.group(2))
                 name = name[: match.start()] + f".mlp.experts.{match.group(1)}.weight{expert}"
         # Local-spec norm names -> the TE names mbridge maps (TE fuses these norms into the next linear layer).
-        name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+        if self.config.multi_latent_attention:
+            # MLA (DeepSeek-V3): the local spec's q/kv norms after the down projections are fused into the up
+            # projections in TE. (Without MLA, q_layernorm is Qwen3's QK-norm, which mbridge maps under that name.)
+            name = name.replace(".self_attention.q_layernorm.weight",
+                                ".self_attention.linear_q_up_proj.layer_norm_weight")
+            name = name.replace(".self_attention.kv_layernorm.weight",
+                                ".self_attention.linear_kv_up_proj.layer_norm_weight")
+        if "input_layernorm.weight" not in self.mb._ATTENTION_MAPPING:  # mbridge's DeepSeek table maps it itself
+            name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
         if "pre_mlp_layernorm" not in self.mb._MLP_MAPPING:
             name = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
         return name
@@ -327,6 +395,24 @@ class ModelBridge:
                         shutil.copy2(src, os.path.join(tmp_dir, name))
             publish_dir(tmp_dir, out_dir)
         dist.barrier()
+
+
+@functools.cache
+def mla_core_attention() -> type:
+    """megatron-core's local (unfused) attention for MLA on CPU. MLA passes k_channels / v_channels (its query/key
+    heads are qk_head_dim + qk_pos_emb_head_dim wide, its value heads v_head_dim), which megatron-core 0.19.2's
+    DotProductAttention does not accept; its forward already works for any query/key head size and takes MLA's
+    softmax_scale, so only the output width (value heads x heads on this rank) is set here. (A function so that
+    importing megarl.models does not import megatron-core.)"""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return MLADotProductAttention
 
 
 class ValueHead(torch.nn.Module):

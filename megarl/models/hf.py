@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
@@ -17,7 +17,12 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+# The config.json field that holds the number of routed experts: Qwen-MoE, Mixtral, DeepSeek name it differently.
+_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 _REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
 
 
@@ -37,7 +42,7 @@ class HFModelFolder:
 
     @property
     def is_moe(self) -> bool:
-        return bool(getattr(self.config, "num_experts", None))
+        return bool(self.shape().num_experts)
 
     @property
     def rope_theta(self) -> float:
@@ -46,11 +51,7 @@ class HFModelFolder:
         return float(params.get("rope_theta", getattr(self.config, "rope_theta", 10000.0)))
 
     def shape(self) -> ModelShape:
-        c = self.config
-        return ModelShape(num_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                          num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-                          ffn_hidden_size=c.intermediate_size, num_experts=getattr(c, "num_experts", None),
-                          moe_ffn_hidden_size=getattr(c, "moe_intermediate_size", None))
+        return model_shape(self.config.to_dict())
 
     def read(self, names: Iterable[str]) -> list[torch.Tensor]:
         """Load the named tensors (only those) from the safetensors files."""
@@ -70,6 +71,49 @@ class HFModelFolder:
                 for n in file_names:
                     out[n] = f.get_tensor(n)
         return [out[n] for n in names]
+
+
+def model_shape(fields: Mapping) -> ModelShape:
+    """config.json fields -> ModelShape. An expert's FFN width is moe_intermediate_size, or intermediate_size for
+    Mixtral (whose experts are as wide as a dense MLP and which has no moe_intermediate_size)."""
+    heads = int(fields["num_attention_heads"])
+    experts = next((int(fields[k]) for k in _EXPERT_COUNT_FIELDS if fields.get(k)), None)
+    return ModelShape(num_layers=int(fields["num_hidden_layers"]), num_attention_heads=heads,
+                      num_key_value_heads=int(fields.get("num_key_value_heads") or heads),
+                      ffn_hidden_size=int(fields["intermediate_size"]), num_experts=experts,
+                      moe_ffn_hidden_size=int(fields.get("moe_intermediate_size") or fields["intermediate_size"])
+                      if experts else None)
+
+
+def _unsupported_variant(config) -> str | None:
+    """What in a supported family's config (transformers' config, so its defaults apply) megarl cannot build exactly,
+    with the fix; or None."""
+    model_type = config.model_type
+    mlp_only, sparse_step = getattr(config, "mlp_only_layers", None), getattr(config, "decoder_sparse_step", 1)
+    if mlp_only or sparse_step != 1:
+        # Qwen-MoE's dense layers between MoE layers: mbridge's Qwen-MoE bridges map MoE layers only.
+        return (f"mlp_only_layers={mlp_only} / decoder_sparse_step={sparse_step}: dense MLP layers in a {model_type} "
+                "model are not supported. Fix: use a model whose every layer is MoE (mlp_only_layers: [], "
+                "decoder_sparse_step: 1).")
+    if model_type != "deepseek_v3":
+        return None
+    if not config.norm_topk_prob:
+        # megatron-core always renormalises sigmoid router scores over the top-k (topk_routing_with_score_function).
+        return ("norm_topk_prob=false is not supported for deepseek_v3 (megatron-core renormalises sigmoid router "
+                "scores over the top-k). Fix: use a model with norm_topk_prob: true.")
+    if not getattr(config, "rope_interleave", True):
+        # megatron-core's MLA always takes the RoPE dimensions interleaved (apply_rotary_pos_emb with mla=True).
+        return ("rope_interleave=false is not supported for deepseek_v3 (megatron-core's multi-latent attention "
+                "applies RoPE to interleaved dimensions, as DeepSeek-V3 does). Fix: use a model with rope_interleave: "
+                "true.")
+    topk, group_topk = config.num_experts_per_tok, config.topk_group
+    if config.n_group > 1 and topk // group_topk != 2:
+        # DeepSeek scores a group by the sum of its best 2 experts; megatron-core by its best topk // group_topk.
+        return (f"num_experts_per_tok={topk} / topk_group={group_topk}: group-limited routing is only exact when "
+                "num_experts_per_tok // topk_group == 2 (DeepSeek scores a group by its best 2 experts, megatron-core "
+                "by its best num_experts_per_tok // topk_group). Fix: use a model with num_experts_per_tok == "
+                "2 * topk_group, or n_group: 1.")
+    return None
 
 
 def open_model_folder(path: str) -> HFModelFolder:
@@ -110,6 +154,9 @@ def open_model_folder(path: str) -> HFModelFolder:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
+    problem = _unsupported_variant(config)
+    if problem:
+        raise ModelFolderError(f"{config_path}: {problem}")
     return HFModelFolder(path=path, config=config, weight_files=_index_weights(path))
 
 

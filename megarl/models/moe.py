@@ -78,16 +78,21 @@ class RoutingStats:
         for hook in self._hooks:
             hook.remove()
 
-    def agreement(self, routed_experts: torch.Tensor, mask: torch.Tensor, micro_batches: int) -> torch.Tensor:
+    def agreement(self, routed_experts: torch.Tensor, mask: torch.Tensor, micro_batches: int,
+                  layouts: list | None = None) -> torch.Tensor:
         """[matches, counted] summed over this rank's layers and micro-batches (all-reduce them for the global
-        agreement)."""
+        agreement). layouts: the micro-batches' PackedLayouts when the recorded forwards ran packed
+        (megarl.losses.step.schedule_layouts): the engine's routing and the mask are packed the same way."""
         out = torch.zeros(2, dtype=torch.float64)
         rows = routed_experts.shape[0] // micro_batches
         for router in self.routers:
             for m, routing_map in enumerate(self.maps.get(router.layer_number, [])):
                 part = slice(m * rows, (m + 1) * rows)
-                engine = _tokens_of(router, routed_experts[part, :, router.layer_number - 1])
-                counted = _tokens_of(router, mask[part].unsqueeze(-1)).squeeze(-1) > 0
+                engine, positions = routed_experts[part, :, router.layer_number - 1], mask[part]
+                if layouts is not None and layouts[m] is not None:
+                    engine, positions = layouts[m].pack(engine, repeat_last=True), layouts[m].pack(positions)
+                engine = _tokens_of(router, engine)
+                counted = _tokens_of(router, positions.unsqueeze(-1)).squeeze(-1) > 0
                 used = routing_map.gather(1, engine.to(routing_map.device).long()).float()  # engine's experts used?
                 out[0] += float(used[counted].sum())
                 out[1] += float(counted.sum()) * engine.shape[-1]

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 
 _BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, hidden_act="silu",
@@ -20,6 +20,23 @@ _FAMILY = {
     "qwen3": dict(tie_word_embeddings=True, head_dim=32),  # qk-norm; head_dim != hidden/heads; tied lm_head
     "qwen3_moe": dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, router_aux_loss_coef=0.0),
+    # Qwen2-MoE: q/k/v biases, a shared expert scaled by a sigmoid gate, and (norm_topk_prob=False, its default) top-k
+    # probabilities taken from a softmax over all experts, not renormalised: the other router path than qwen3_moe's.
+    "qwen2_moe": dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[],
+                      norm_topk_prob=False, router_aux_loss_coef=0.0, use_sliding_window=False, qkv_bias=True),
+    # Mixtral: experts as wide as intermediate_size, softmax over the top-k router logits, no biases.
+    "mixtral": dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                    router_aux_loss_coef=0.0, router_jitter_noise=0.0, sliding_window=None),
+    # DeepSeek-V3: MLA (q/kv LoRA ranks, rope/nope head split, interleaved RoPE), a dense first layer then MoE layers
+    # with a shared expert, sigmoid router scores with the e_score_correction_bias, group-limited top-k (4 of 8
+    # experts, taken from the best 2 of 4 groups, a group scored by its best 2 experts: V3 takes 8 of 256 from the best
+    # 4 of 8 groups), norm_topk_prob and the routed scaling factor. No MTP layer (transformers does not build one).
+    "deepseek_v3": dict(tie_word_embeddings=False, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=4,
+                        n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
+                        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0,
+                        rope_interleave=True),
 }
 # ChatML, with tool calls written the way Qwen2.5's template writes them (a <tools> list in the system turn, tool calls
 # as <tool_call> JSON blocks in the assistant turn, tool results as <tool_response> blocks in a user turn). Without tools
@@ -114,6 +131,9 @@ def write_tiny_model(out_dir: str, family: str, seed: int = 0, dtype: torch.dtyp
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=generator))
             else:
                 p.copy_(0.08 * torch.randn(p.shape, generator=generator))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias (a buffer, saved with the weights)
+                b.copy_(0.1 * torch.randn(b.shape, generator=generator))
     model.to(dtype).save_pretrained(out_dir)
     if tokenizer == "char":
         write_char_tokenizer(out_dir)

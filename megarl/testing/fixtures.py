@@ -1,6 +1,7 @@
 """pytest fixtures (enable with `pytest_plugins = ["megarl.testing.fixtures"]` in a conftest.py)."""
 import pytest
 
+from ..models.tiny import FAMILIES
 from .models import tiny_model_dir
 
 
@@ -10,7 +11,7 @@ def tiny_model():
     return tiny_model_dir
 
 
-@pytest.fixture(params=["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.fixture(params=FAMILIES)
 def tiny_model_any_family(request):
     """Path of a tiny model, once per supported family."""
     return tiny_model_dir(request.param)

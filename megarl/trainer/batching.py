@@ -1,8 +1,9 @@
 """From rollout samples to the token batches each data-parallel rank trains on.
 
 - Samples are packed into flat tensors (`PackedRollout`): token ids back to back with their lengths, one rollout
-  log-prob and one loss-mask byte per response token, one score and group id per sample, the MoE routing as a compact
-  integer tensor. That is what moves between ranks (megarl.trainer.dispatch); nothing per token is a Python object.
+  log-prob and one loss-mask byte per response token, one score, greedy baseline and group id per sample, the MoE
+  routing as a compact integer tensor. That is what moves between ranks (megarl.trainer.dispatch); nothing per
+  token is a Python object.
 - Whole prompt groups go to one DP rank (group-relative advantages and the loss's global counts need no more), and
   groups are spread so that every rank gets about the same number of tokens (longest first, to the lightest rank).
 - Every rank's share is padded to the same number of rows and the same sequence length (a multiple of TP for sequence
@@ -32,6 +33,7 @@ class Sample:
     finish_reason: str
     reward: float = 0.0
     score: float = 0.0  # the reward after shaping (overlong penalty): what advantages see
+    baseline: float = 0.0  # the score of the prompt's greedy rollout (estimators in GREEDY_BASELINE, e.g. remax)
     trained: bool = True  # False: kept for metrics, no loss (overlong masking)
     loss_mask: list[int] | np.ndarray | None = None  # per response token (multi-turn: 0 on observations); None: all
     routed_experts: torch.Tensor | list[int] | None = None  # the engine's MoE routing, flat [positions, layers, top-k]
@@ -67,6 +69,7 @@ class PackedRollout:
     rollout_log_probs: torch.Tensor  # [R] float32, one per response token
     loss_mask: torch.Tensor  # [R] uint8: 1 where the response token is trained (0: observations, untrained samples)
     score: torch.Tensor  # [n] float32, the shaped reward the advantages see
+    baseline: torch.Tensor  # [n] float32, the prompt's greedy-rollout score (remax; 0 otherwise)
     group: torch.Tensor  # [n] int64, the prompt group within the step
     sample_index: torch.Tensor  # [n] int64, the sample's index in the step's sample list
     routed_experts: torch.Tensor | None = None  # [sum(seq_lens - 1) * layers * top-k], uint8 / int16 / int32
@@ -109,6 +112,7 @@ class PackedRollout:
         return cls(tokens=tokens, seq_lens=prompt_lens + response_lens, prompt_lens=prompt_lens,
                    rollout_log_probs=log_probs, loss_mask=mask,
                    score=torch.tensor([s.score for s in samples], dtype=torch.float32),
+                   baseline=torch.tensor([s.baseline for s in samples], dtype=torch.float32),
                    group=torch.tensor([s.group for s in samples], dtype=torch.long),
                    sample_index=torch.tensor(index, dtype=torch.long), routed_experts=routed)
 
@@ -139,7 +143,7 @@ class PackedRollout:
         index = torch.as_tensor(index, dtype=torch.long)
         seq, resp = self.seq_lens[index], self.response_lens[index]
         out = dict(seq_lens=seq, prompt_lens=self.prompt_lens[index], score=self.score[index],
-                   group=self.group[index], sample_index=self.sample_index[index],
+                   baseline=self.baseline[index], group=self.group[index], sample_index=self.sample_index[index],
                    tokens=self.tokens[_ranges(_offsets(self.seq_lens)[index], seq)])
         response_at = _ranges(_offsets(self.response_lens)[index], resp)
         out.update(rollout_log_probs=self.rollout_log_probs[response_at], loss_mask=self.loss_mask[response_at])

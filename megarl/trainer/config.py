@@ -173,6 +173,13 @@ class RLConfig:
     # write <run_dir>/rollouts/: step_N.workerW.jsonl, the engine samples each rollout worker generated (read them with
     # megarl.trainer.rl.dumped_samples), and step_N.dpR.train.jsonl, the token rows each DP rank trained
     dump_rollouts: bool = False
+    # RL dynamics: log dynamics/update_changed_frac, the fraction of parameters whose bf16 value the step's updates
+    # changed (1 - update sparsity; megarl.algorithms.dynamics). Costs a bf16 copy of the parameters during the step.
+    log_update_sparsity: bool = False
+    # RL dynamics (forgetting): at every evaluation, eval/kl_to_initial, KL(policy || initial model) on one sampled
+    # response per held-out prompt. Uses the reference model (the initial weights); without kl_coef > 0 this builds
+    # it, i.e. one more frozen copy of the model in memory, and its log-probs are then also computed every step.
+    forgetting_kl: bool = False
 
 
 @dataclass
@@ -189,6 +196,31 @@ class SFTConfig:
     warmup_steps: int = 10
     decay_style: str = "cosine"
     max_tokens_per_microbatch: int = 8192
+
+
+@dataclass
+class DPOConfig:
+    """Offline preference training (`megarl dpo`): DPO or IPO against the frozen initial policy."""
+    data: str = "synthetic"  # preference JSONL/Parquet ({"prompt", "chosen", "rejected"}) or synthetic (right vs wrong)
+    max_samples: Optional[int] = None  # use only the first N pairs
+    loss_type: str = "dpo"  # dpo (arXiv:2305.18290) | ipo (arXiv:2310.12036)
+    beta: float = 0.1  # the KL strength: implicit reward = beta * (log pi - log ref) of a response
+    label_smoothing: float = 0.0  # dpo only: the share of pairs assumed mislabelled (conservative DPO); 0: plain DPO
+    steps: int = 100
+    batch_size: int = 16  # pairs per optimizer step
+    max_seq_len: int = 512  # prompt + response tokens of one row
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    decay_style: str = "constant"
+    weight_decay: float = 0.0
+    max_tokens_per_microbatch: int = 8192
+    fused_logprobs: bool = True  # log-probs from the final hidden states and the output weight (algorithm.*'s twin)
+
+    @property
+    def temperature(self) -> float:
+        """The loss functions read log-probs at cfg.temperature: DPO compares the model's own distribution."""
+        return 1.0
 
 
 @dataclass
@@ -238,6 +270,7 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     reshard: ReshardConfig = field(default_factory=ReshardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -255,11 +288,12 @@ class TrainConfig:
             _choice("rollout.engine.dtype", self.rollout.engine.dtype, ("bfloat16", "float32"))
         self._validate_placement()
         self._validate_model_options()
-        for name in ("optim.decay_style", "sft.decay_style"):
+        for name in ("optim.decay_style", "sft.decay_style", "dpo.decay_style"):
             _choice(name, self._value(name), ("constant", "linear", "cosine"))
         for name in ("rollout.prompts_per_step", "rollout.n_samples", "rollout.max_new_tokens", "rl.steps",
                      "rl.ppo_epochs", "rl.mini_batches", "rl.max_tokens_per_microbatch", "sft.batch_size",
-                     "sft.max_seq_len", "reshard.bucket_mb", "rollout.request_size", "reward.workers", "env.max_turns",
+                     "sft.max_seq_len", "dpo.steps", "dpo.batch_size", "dpo.max_seq_len", "reshard.bucket_mb",
+                     "rollout.request_size", "reward.workers", "env.max_turns",
                      "env.max_response_tokens"):
             if self._value(name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {self._value(name)}")
@@ -277,6 +311,21 @@ class TrainConfig:
                 and not self.algorithm.mismatch.mode:
             raise ConfigError("rollout.old_log_probs=rollout with several updates per batch uses the engine's "
                               "log-probs as the PPO anchor; set algorithm.mismatch.mode (e.g. tis) or use recompute")
+        if self.rl.forgetting_kl and self.rl.ref_model is False:
+            raise ConfigError("rl.forgetting_kl=true compares the policy with the initial model, which is the "
+                              "reference model. Fix: rl.ref_model: true (or unset), or rl.forgetting_kl: false")
+        if self.algorithm.high_entropy_only and self.rollout.old_log_probs != "recompute":
+            raise ConfigError("algorithm.high_entropy_only selects tokens by the old policy's entropy, which only the "
+                              "trainer's recompute pass gives. Fix: rollout.old_log_probs: recompute")
+        if self.algorithm.pack_sequences and self.parallel.cp > 1:
+            raise ConfigError(f"algorithm.pack_sequences=true is not wired for parallel.cp={self.parallel.cp} (THD "
+                              "packing under context parallelism needs cu_seqlens padded per CP shard). Fix: "
+                              "algorithm.pack_sequences: false (or unset: packed only without CP)")
+        if self.algorithm.pack_sequences is None:
+            self.algorithm.pack_sequences = self.parallel.cp == 1
+        if self.algorithm.policy_loss == "fipo" and self.parallel.cp > 1:
+            raise ConfigError(f"algorithm.policy_loss=fipo sums each sequence's future log-ratios, which "
+                              f"parallel.cp={self.parallel.cp} splits over ranks. Fix: parallel.cp: 1")
         if self.rollout.overlong == "penalty" and not 0 < self.rollout.overlong_buffer < self.rollout.max_new_tokens:
             raise ConfigError("rollout.overlong=penalty needs 0 < rollout.overlong_buffer < rollout.max_new_tokens")
         if self.env.name is not None:
@@ -287,6 +336,7 @@ class TrainConfig:
                 resolve_tools(list(self.env.tools))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        self._validate_dpo()
         if not 0.0 <= self.data.synthetic.sft_tool_share <= 1.0:
             raise ConfigError(f"data.synthetic.sft_tool_share={self.data.synthetic.sft_tool_share} must be in [0, 1]")
         if self.algorithm.temperature != self.rollout.temperature:
@@ -296,7 +346,7 @@ class TrainConfig:
         return self
 
     def _validate_optimizer(self) -> None:
-        for section in ("optim", "sft"):
+        for section in ("optim", "sft", "dpo"):
             o = getattr(self, section)
             if not o.lr > 0:
                 raise ConfigError(f"{section}.lr={o.lr} must be > 0. Fix: e.g. {section}.lr=1e-6")
@@ -313,6 +363,19 @@ class TrainConfig:
                 raise ConfigError(f"optim.{name}={getattr(o, name)} must be in [0, 1). Fix: e.g. 0.9 / 0.999")
         if o.clip_grad < 0:
             raise ConfigError(f"optim.clip_grad={o.clip_grad} must be >= 0 (0: no clipping). Fix: e.g. 1.0")
+
+    def _validate_dpo(self) -> None:
+        d = self.dpo
+        _choice("dpo.loss_type", d.loss_type, ("dpo", "ipo"))
+        if not d.beta > 0:
+            raise ConfigError(f"dpo.beta={d.beta} must be > 0 (the implicit reward scale; IPO's target margin is "
+                              "1 / (2 beta)). Fix: e.g. dpo.beta=0.1")
+        if not 0.0 <= d.label_smoothing < 0.5:
+            raise ConfigError(f"dpo.label_smoothing={d.label_smoothing} must be in [0, 0.5) (the share of pairs "
+                              "assumed mislabelled). Fix: e.g. 0.0 (plain DPO) or 0.1")
+        if d.label_smoothing and d.loss_type != "dpo":
+            raise ConfigError(f"dpo.label_smoothing={d.label_smoothing} applies to dpo.loss_type=dpo only (IPO has "
+                              "no labels to smooth). Fix: dpo.label_smoothing=0, or dpo.loss_type=dpo")
 
     def _validate_placement(self) -> None:
         engine = self.rollout.engine

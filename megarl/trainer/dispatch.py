@@ -19,10 +19,11 @@ from ..parallel import Groups
 from .batching import BatchPlan, PackedRollout
 
 _DTYPES = [torch.int32, torch.int64, torch.uint8, torch.int16, torch.float32]
-_PER_SAMPLE = ("seq_lens", "prompt_lens", "score", "group", "sample_index")
+_PER_SAMPLE = ("seq_lens", "prompt_lens", "score", "baseline", "group", "sample_index")
 _PER_RESPONSE_TOKEN = ("rollout_log_probs", "loss_mask")
-_FIXED = {"seq_lens": torch.int64, "prompt_lens": torch.int64, "score": torch.float32, "group": torch.int64,
-          "sample_index": torch.int64, "rollout_log_probs": torch.float32, "loss_mask": torch.uint8}
+_FIXED = {"seq_lens": torch.int64, "prompt_lens": torch.int64, "score": torch.float32, "baseline": torch.float32,
+          "group": torch.int64, "sample_index": torch.int64, "rollout_log_probs": torch.float32,
+          "loss_mask": torch.uint8}
 
 
 @dataclass(frozen=True)

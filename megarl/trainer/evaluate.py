@@ -37,7 +37,8 @@ def response_stats(trainer: RLTrainer, pairs: list[tuple[list[int], list[int]]])
                     max_tokens_per_microbatch=trainer.cfg.rl.max_tokens_per_microbatch)
     sums = torch.zeros(3, dtype=torch.float64)  # sum log-prob, sum entropy, tokens
     per_token = compute_log_probs(trainer.policy.model, rb.batch, rb.num_microbatches, trainer.bridge.vocab_size,
-                                  entropy=True, fused=trainer.cfg.algorithm.fused_logprobs)
+                                  entropy=True, fused=trainer.cfg.algorithm.fused_logprobs,
+                                  pack=trainer.cfg.algorithm.pack_sequences)
     if holds_results():
         sums += torch.stack([per_token[0].sum(), per_token[1].sum(), rb.batch.loss_mask.sum()]).double()
     dist.all_reduce(sums)

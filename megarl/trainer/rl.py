@@ -19,12 +19,14 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel, platform
-from ..algorithms import compute_advantages, kl_estimate
+from ..algorithms import compute_advantages, entropy_split, kl_estimate, loss_phases
+from ..algorithms.dynamics import UpdateSparsity, kl_sums
 from ..config import to_dict
 from ..errors import about, on_rank0, on_ranks
 from ..data import ChatTokenizer, load_prompts
-from ..losses import compute_log_probs, compute_values, prepare_global_batch, train_step
-from ..losses.step import holds_results
+from ..losses import TokenBatch, compute_log_probs, compute_values, prepare_global_batch, train_step
+from ..losses.rl import place_response_values, shift_sequences
+from ..losses.step import holds_results, schedule_layouts
 from ..models.moe import RoutingStats, load_balance_metrics
 from ..reshard import TRANSPORTS, SyncConfig, TransportOptions, WeightSync
 from ..rewards import RewardPool
@@ -68,6 +70,15 @@ class RLTrainer:
         parallel.init_distributed(parallel=cfg.parallel)  # the groups: once the model shape is known
         self.rank = dist.get_rank()
         self.model_path = prepare_model_folder(cfg)
+        self.servers = self._launch_engines()
+        try:
+            self._build(cfg, metrics_log)
+        except BaseException:  # the engines launched above do not outlive a failed set-up
+            for server in self.servers:
+                server.stop()
+            raise
+
+    def _build(self, cfg, metrics_log: bool) -> None:
         folder = init_parallel(cfg, self.model_path)
         from megatron.core import parallel_state as ps
 
@@ -82,7 +93,8 @@ class RLTrainer:
         self.bridge = self.policy.bridge
         hf = folder.config  # the engine's routing per position: [layers, top-k] (MoE, rollout.return_routed_experts)
         self.routing_shape = (hf.num_hidden_layers, hf.num_experts_per_tok) if folder.is_moe else None
-        use_ref = cfg.rl.ref_model if cfg.rl.ref_model is not None else cfg.algorithm.kl_coef > 0
+        use_ref = cfg.rl.ref_model if cfg.rl.ref_model is not None else cfg.algorithm.kl_coef > 0 or \
+            cfg.rl.forgetting_kl  # the reference is the initial model: the forgetting KL's anchor
         self.ref = build_reference(self.bridge, self.policy.chunks) if use_ref else None
         self._offload_ref = self.ref is not None and cfg.rl.offload_ref and platform.on_gpu()
         self._place_ref("cpu")
@@ -103,10 +115,9 @@ class RLTrainer:
     # ------------------------------------------------------------------------------------------------ set-up
     def _start_rollout_side(self) -> None:
         cfg = self.cfg
-        self.servers = []
-        # each rollout worker reads the training prompts and starts its own reward pool (before any engine starts,
-        # so a bad data file fails in seconds); then rank 0 reads the held-out data and starts the engines. A
-        # failure on one rank reaches every rank.
+        # each rollout worker reads the training prompts and starts its own reward pool (a bad data file fails in
+        # seconds, before anything waits for an engine); then rank 0 reads the held-out data and waits for its
+        # engines. A failure on one rank reaches every rank.
         self.workers, self.worker_ranks = self._rollout_workers()
         on_ranks(self._start_worker, here=self.rank in self.worker_ranks)
         urls = on_rank0(self._start_rank0)
@@ -159,13 +170,22 @@ class RLTrainer:
             self.eval_records = load_prompts(eval_spec, self.tok, cfg.data, "eval", prompt_tools(cfg)) \
                 if eval_spec else []
         if not urls:
-            for i in range(cfg.rollout.engine.num_engines):
-                # the one ServerConfig builder (megarl.rollout.server); several engines on one node: own GPUs each
-                server = SGLangServer(engine_server_config(
-                    cfg, self.model_path, i, base_gpu_id=i * cfg.rollout.engine.tp_size if i else None))
-                self.servers.append(server.start())
-            urls = [s.url for s in self.servers]
+            self.servers = self.servers or self._launch_engines(now=True)
+            urls = [server.wait_ready().url for server in self.servers]
         return urls
+
+    def _launch_engines(self, now: bool = False) -> list[SGLangServer]:
+        """Rank 0 launches the engines this job runs itself (none with rollout.engine.urls). On CPU they are launched
+        as soon as the model folder exists, so SGLang's start-up overlaps the trainer's model build; on a GPU they
+        are launched only once the trainer holds its memory (now=True: SGLang sizes its KV cache from the memory free
+        at its start, which must not race the trainer's allocations)."""
+        cfg = self.cfg
+        if self.rank != 0 or cfg.rollout.engine.urls or (platform.on_gpu() and not now):
+            return []
+        # the one ServerConfig builder (megarl.rollout.server); several engines on one node: own GPUs each
+        return [SGLangServer(engine_server_config(cfg, self.model_path, i,
+                                                  base_gpu_id=i * cfg.rollout.engine.tp_size if i else None)).launch()
+                for i in range(cfg.rollout.engine.num_engines)]
 
     def _resume(self) -> None:
         path = latest_checkpoint(self.ckpt_root) if self.cfg.checkpoint.resume and \
@@ -209,9 +229,11 @@ class RLTrainer:
         with timer("old_log_prob"):
             routing = RoutingStats(self.policy.chunks) \
                 if engine_routing is not None and cfg.rollout.old_log_probs == "recompute" else None
-            batch.old_log_probs = self._log_probs(self.policy.model, rb) \
-                if cfg.rollout.old_log_probs == "recompute" else batch.rollout_log_probs
+            batch.old_log_probs, old_entropy = self._log_probs(self.policy.model, rb, entropy=True) \
+                if cfg.rollout.old_log_probs == "recompute" else (batch.rollout_log_probs, None)
         mismatch = self._mismatch(batch) if cfg.rollout.old_log_probs == "recompute" else {}
+        if old_entropy is not None:
+            mismatch.update(self._entropy_dynamics(old_entropy, batch.loss_mask))
         if routing is not None:
             mismatch.update(self._routing_metrics(routing, engine_routing, rb))
 
@@ -219,35 +241,44 @@ class RLTrainer:
         #    values at rollout time and GAE returns.
         if self.critic is not None:
             with timer("values"):
-                batch.old_values = _on_every_stage(compute_values(self.critic.model, batch, rb.num_microbatches),
-                                                   batch.loss_mask)
+                batch.old_values = _on_every_stage(compute_values(self.critic.model, batch, rb.num_microbatches,
+                                                                  pack=cfg.algorithm.pack_sequences), batch.loss_mask)
         with timer("advantages"):
             batch.advantages, batch.returns = self._advantages(rb)
 
         # 5. PPO epochs x mini-batches, each one optimizer step through Megatron's schedule.
         train = []
+        tracker = UpdateSparsity(self.policy.chunks, self.ps, self.bridge.vocab_size).snapshot() \
+            if cfg.rl.log_update_sparsity else None  # RL dynamics: parameters the step's updates change
         with timer("train"):
             rows = batch.input_ids.shape[0] // cfg.rl.mini_batches
-            for _ in range(cfg.rl.ppo_epochs):
+            for epoch in range(cfg.rl.ppo_epochs):
                 for k in range(cfg.rl.mini_batches):
-                    mini = prepare_global_batch(batch.rows(slice(k * rows, (k + 1) * rows)), cfg.algorithm.aggregation,
-                                                cfg.algorithm.norm_length, self.ps.get_data_parallel_group())
-                    num_mb = max(1, rb.num_microbatches // cfg.rl.mini_batches)
-                    metrics = train_step(self.policy.model, self.policy.optimizer, mini, num_mb, cfg.algorithm,
-                                         self.bridge.vocab_size)
+                    part, num_mb = slice(k * rows, (k + 1) * rows), max(1, rb.num_microbatches // cfg.rl.mini_batches)
+                    # One optimizer step per phase (megarl.algorithms.token_selection: Lopti's two, else one), each
+                    # normalised by its own global token count; the phases share the mini-batch's learning rate.
+                    phases = loss_phases(batch.rows(part), cfg.algorithm, group=self.ps.get_data_parallel_group(),
+                                         entropy=old_entropy[part] if old_entropy is not None else None,
+                                         seed=((cfg.seed * 1_000_003 + step) * 1009 + epoch) * 101 + k)
+                    for phase in phases:
+                        train.append(train_step(self.policy.model, self.policy.optimizer, self._prepare(phase), num_mb,
+                                                cfg.algorithm, self.bridge.vocab_size))
                     self.policy.scheduler.step(1)
                     if self.critic is not None:
-                        critic = train_step(self.critic.model, self.critic.optimizer, mini, num_mb, cfg.algorithm,
-                                            self.bridge.vocab_size, objective="value")
+                        critic = train_step(self.critic.model, self.critic.optimizer, self._prepare(batch.rows(part)),
+                                            num_mb, cfg.algorithm, self.bridge.vocab_size, objective="value")
                         self.critic.scheduler.step(1)
-                        metrics.update({f"critic/{k}": v for k, v in critic.items()})
-                    train.append(metrics)
+                        for metrics in train[-len(phases):]:
+                            metrics.update({f"critic/{k}": v for k, v in critic.items()})
 
         # 6. Reshard: the engines get the new weights (verified on the first sync and every reshard.verify_every).
         with timer("reshard"):
             sync_stats = self.sync_weights(f"step-{step}")
 
         metrics = {k: sum(t[k] for t in train) / len(train) for k in train[0]}
+        if tracker is not None:
+            changed, total = tracker.changed()
+            metrics["dynamics/update_changed_frac"] = changed / max(total, 1.0)
         metrics.update(**stats, **mismatch, **timer.take())
         metrics.update({f"reshard/{k}": v for k, v in sync_stats.items() if isinstance(v, (int, float))})
         elapsed = time.perf_counter() - start
@@ -311,10 +342,35 @@ class RLTrainer:
         finally:
             self._place_ref("cpu")
 
-    def _log_probs(self, model: list, rb: RankBatch) -> torch.Tensor:
-        return _on_every_stage(compute_log_probs(model, rb.batch, rb.num_microbatches, self.bridge.vocab_size,
-                                                 temperature=self.cfg.algorithm.temperature,
-                                                 fused=self.cfg.algorithm.fused_logprobs), rb.batch.loss_mask)
+    def _log_probs(self, model: list, rb: RankBatch, entropy: bool = False):
+        """Log-probs [b, s] on every stage (zeros off the last); entropy=True: (log-probs, entropies)."""
+        out = compute_log_probs(model, rb.batch, rb.num_microbatches, self.bridge.vocab_size,
+                                temperature=self.cfg.algorithm.temperature, entropy=entropy,
+                                fused=self.cfg.algorithm.fused_logprobs, pack=self.cfg.algorithm.pack_sequences)
+        if not entropy:
+            return _on_every_stage(out, rb.batch.loss_mask)
+        return tuple(self._from_last_stage(x, rb.batch.loss_mask) for x in (out if out is not None else (None, None)))
+
+    def _from_last_stage(self, values: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        """The last pipeline stage's per-token values on every stage: token selections (loss_phases) must agree on
+        all ranks of a DP replica."""
+        pp = self.ps.get_pipeline_model_parallel_group()
+        out = values.contiguous() if values is not None else torch.zeros_like(like)
+        if dist.get_world_size(pp) > 1:
+            dist.broadcast(out, src=dist.get_global_rank(pp, dist.get_world_size(pp) - 1), group=pp)
+        return out
+
+    def _prepare(self, batch):
+        cfg = self.cfg.algorithm
+        return prepare_global_batch(batch, cfg.aggregation, cfg.norm_length, self.ps.get_data_parallel_group())
+
+    def _entropy_dynamics(self, entropy: torch.Tensor, mask: torch.Tensor) -> dict:
+        """RL dynamics: the old policy's mean entropy over the top 20% highest-entropy response tokens of the global
+        batch and over the other 80% (threshold over all DP ranks; summed over the ranks that hold results)."""
+        sums = entropy_split(entropy, mask, 0.2, self.ps.get_data_parallel_group()) * holds_results()
+        dist.all_reduce(sums)
+        return {"dynamics/entropy_top20": float(sums[0] / sums[1].clamp(min=1)),
+                "dynamics/entropy_rest80": float(sums[2] / sums[3].clamp(min=1))}
 
     def _mismatch(self, batch) -> dict:
         """Trainer vs engine on the same tokens before any update: |old log-prob - rollout log-prob| over the global
@@ -336,7 +392,10 @@ class RLTrainer:
         positions = (torch.arange(rb.batch.input_ids.shape[1]) < rb.samples.seq_lens[:, None] - 1).float()
         positions = torch.cat([positions, positions.new_zeros(rb.batch.input_ids.shape[0] - len(positions),
                                                               positions.shape[1])])
-        stats = torch.cat([routing.agreement(engine_routing, positions, rb.num_microbatches), routing.assignments()])
+        layouts = schedule_layouts(self.policy.model, rb.batch.split(rb.num_microbatches),
+                                   self.cfg.algorithm.pack_sequences)  # the old-log-prob forward's token order
+        stats = torch.cat([routing.agreement(engine_routing, positions, rb.num_microbatches, layouts),
+                           routing.assignments()])
         load = routing.load(self.bridge.config.num_layers, self.bridge.config.num_moe_experts)
         dist.all_reduce(stats)
         dist.all_reduce(load)  # each stage fills its own layers' rows
@@ -355,7 +414,7 @@ class RLTrainer:
                                       mask=batch.loss_mask[:real], kl=kl, kl_coef=cfg.kl_coef, gamma=cfg.gamma,
                                       lam=cfg.lam, reward_weights=cfg.reward_weights, values=values,
                                       std_normalize=cfg.std_normalize, whiten_advantages=cfg.whiten_advantages,
-                                      group=self.ps.get_data_parallel_group())
+                                      group=self.ps.get_data_parallel_group(), baseline=rb.samples.baseline)
         advantages[:real], returns[:real] = adv, ret
         return advantages, returns
 
@@ -384,7 +443,39 @@ class RLTrainer:
             self.state.setdefault("eval_curves", {})[str(tag)] = curve
             return result
 
-        return on_rank0(run) or {}
+        result = on_rank0(run) or {}
+        if cfg.rl.forgetting_kl:
+            result.update(self._forgetting_kl(tag))
+        return result
+
+    def _forgetting_kl(self, tag) -> dict:
+        """eval/kl_to_initial (k3) and eval/kl_to_initial_k1: KL(policy || initial model) on one response per held-out
+        prompt sampled by the engine (current weights), split over the DP ranks. A collective."""
+        cfg = self.cfg
+
+        def sample():
+            samples = self.rollout.generate(self.eval_records, 1, (cfg.seed, "forgetting", tag),
+                                            cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+            return [(list(s.prompt_ids), list(s.response_ids), s.loss_mask) for s in samples]
+
+        mine = (on_rank0(lambda: sample() if self.eval_records else []) or [])[self.dp_rank::self.dp_size]
+        mine = mine or [([self.tok.pad_id], [self.tok.pad_id], [0])]  # no prompt here: one row that counts nothing
+        ids, targets, mask = shift_sequences([p for p, _, _ in mine], [r for _, r, _ in mine], self.tok.pad_id)
+        mask = mask * place_response_values([[1] * len(r) if m is None else list(m) for _, r, m in mine],
+                                            [len(p) for p, _, _ in mine], mask.shape[1])  # tool outputs: not sampled
+        batch = TokenBatch(input_ids=ids, targets=targets, loss_mask=mask)
+        args = dict(vocab_size=self.bridge.vocab_size, temperature=cfg.algorithm.temperature,
+                    fused=cfg.algorithm.fused_logprobs)
+        policy = compute_log_probs(self.policy.model, batch, 1, **args)
+        self._place_ref("cuda")
+        try:
+            initial = compute_log_probs(self.ref, batch, 1, **args)
+        finally:
+            self._place_ref("cpu")
+        sums = kl_sums(policy, initial, mask) if holds_results() else torch.zeros(3, dtype=torch.float64)
+        dist.all_reduce(sums)
+        return {"eval/kl_to_initial": float(sums[0] / sums[2].clamp(min=1)),
+                "eval/kl_to_initial_k1": float(sums[1] / sums[2].clamp(min=1))}
 
     # --------------------------------------------------------------------------------------------- the run
     def train(self) -> dict:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..algorithms.advantages import GREEDY_BASELINE
 from ..data import PromptRecord
 from ..envs import Episode, make_env, run_episodes
 from ..envs.episode import check_turn
@@ -88,6 +89,8 @@ class Rollout:
     def __init__(self, cfg, tokenizer, router, rewards, tools=None):
         self.cfg, self.tok, self.router, self.rewards, self.tools = cfg, tokenizer, router, rewards, tools
         self.stop_ids = sorted(set(tokenizer.stop_ids) | set(cfg.rollout.stop_token_ids))
+        # the estimator's baseline is a greedy rollout of each prompt (ReMax): collect() asks the engines for it
+        self.greedy_baseline = cfg.algorithm.advantage_estimator in GREEDY_BASELINE
         self._threads = ThreadPoolExecutor(max_workers=8)
         self._env_threads = ThreadPoolExecutor(max_workers=8)  # tool calls (separate: chunks run on _threads)
 
@@ -128,18 +131,25 @@ class Rollout:
                             env.max_response_tokens, tools=self.tools, threads=self._env_threads)
 
     def generate(self, records: list[PromptRecord], n: int, seed_parts: tuple, temperature: float,
-                 max_new_tokens: int) -> list[Sample]:
-        """n samples per record, rewarded; sample order = record order, then sample index."""
+                 max_new_tokens: int, greedy_baseline: bool = False) -> list[Sample]:
+        """n samples per record, rewarded; sample order = record order, then sample index. greedy_baseline (ReMax):
+        also one temperature-0 rollout per record, requested alongside the samples, scored by the same reward and
+        shaping, and not returned (never trained): its score becomes the `baseline` of the record's samples."""
         requests = [(g, r, j) for g, r in enumerate(records) for j in range(n)]
         chunk = self.cfg.rollout.request_size * n
-        pieces = [requests[i:i + chunk] for i in range(0, len(requests), chunk)]
+        pieces = [(requests[i:i + chunk], temperature) for i in range(0, len(requests), chunk)]
+        if greedy_baseline:
+            greedy = [(g, r, "greedy") for g, r in enumerate(records)]
+            size = self.cfg.rollout.request_size
+            pieces = [(greedy[i:i + size], 0.0) for i in range(0, len(greedy), size)] + pieces
 
-        def run(piece):
-            episodes = self._episodes(piece, seed_parts, temperature, max_new_tokens)
+        def run(item):
+            piece, temp = item
+            episodes = self._episodes(piece, seed_parts, temp, max_new_tokens)
             texts = [(e.final_text, r.answer) for e, (_, r, _) in zip(episodes, piece)]
             return episodes, self.rewards.submit(texts)
 
-        samples = []
+        samples, baselines = [], []
         results = self._threads.map(run, pieces)
         if self.cfg.logging.progress:
             from tqdm import tqdm
@@ -149,20 +159,25 @@ class Rollout:
         prompts: dict[int, np.ndarray] = {}
         # Each chunk's token ids and log-probs become arrays as it returns, while later chunks still generate: the
         # step's data is then packed by concatenation (megarl.trainer.batching.PackedRollout), not from lists.
-        for piece, (episodes, scored) in zip(pieces, results):
+        for (piece, _), (episodes, scored) in zip(pieces, results):
             rewards = self.rewards.result(scored, len(piece))
-            for (g, r, _), e, reward in zip(piece, episodes, rewards):
+            for (g, r, j), e, reward in zip(piece, episodes, rewards):
                 reward += e.env_reward
                 if r.index not in prompts:  # one array per prompt, shared by its samples
                     prompts[r.index] = np.asarray(r.prompt_ids, dtype=np.int32)
-                samples.append(Sample(group=g, prompt_index=r.index, prompt_ids=prompts[r.index],
-                                      response_ids=np.asarray(e.response_ids, dtype=np.int32),
-                                      rollout_log_probs=np.asarray(e.log_probs, dtype=np.float32),
-                                      finish_reason=e.finish_reason, reward=reward, score=reward,
-                                      loss_mask=np.asarray(e.loss_mask, dtype=np.uint8) if multi_turn else None,
-                                      routed_experts=e.routed_experts,
-                                      extra={"weight_version": e.weight_version, "turns": e.turns,
-                                             "final_text": e.final_text, **e.info}))
+                (baselines if j == "greedy" else samples).append(Sample(
+                    group=g, prompt_index=r.index, prompt_ids=prompts[r.index],
+                    response_ids=np.asarray(e.response_ids, dtype=np.int32),
+                    rollout_log_probs=np.asarray(e.log_probs, dtype=np.float32),
+                    finish_reason=e.finish_reason, reward=reward, score=reward,
+                    loss_mask=np.asarray(e.loss_mask, dtype=np.uint8) if multi_turn else None,
+                    routed_experts=e.routed_experts,
+                    extra={"weight_version": e.weight_version, "turns": e.turns, "final_text": e.final_text,
+                           **e.info}))
+        if greedy_baseline:
+            self._shape(baselines)  # the baseline is scored as the samples are (overlong penalty included)
+            for s in samples:
+                s.baseline = baselines[s.group].score
         return samples
 
     def collect(self, stream: PromptStream, step: int, workers: Workers = Workers()) -> tuple[list[Sample], dict]:
@@ -178,7 +193,7 @@ class Rollout:
             failure, samples = None, []
             try:
                 samples = self.generate([records[p] for p in mine], n, (self.cfg.seed, step, rounds),
-                                        ro.temperature, ro.max_new_tokens)
+                                        ro.temperature, ro.max_new_tokens, greedy_baseline=self.greedy_baseline)
             except UserError as e:  # the other workers must not wait for this one's round forever
                 failure = e
             rounds += 1
@@ -201,6 +216,10 @@ class Rollout:
         self._shape(samples)
         stats = {"rollout/prompts_used": prompts_used, "rollout/sampling_rounds": rounds,
                  "rollout/kept_group_frac": len(kept) / max(len(all_groups), 1)}
+        if self.greedy_baseline:  # the greedy rollouts' mean score over the step's prompts (all workers)
+            held = [group[0].baseline for group in all_groups if group]
+            total = workers.sum(torch.tensor([sum(held), len(held)], dtype=torch.float64))
+            stats["reward/greedy_mean"] = float(total[0] / total[1].clamp(min=1))
         return samples, stats
 
     def _shape(self, samples: list[Sample]) -> None:

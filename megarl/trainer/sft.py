@@ -14,8 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import parallel, platform
-from ..config import ConfigError, to_dict
+from .. import parallel
+from ..config import to_dict
 from ..data import ChatTokenizer, load_sft_samples, pack_samples
 from ..data.chat import rows_to_tensors
 from ..losses import TokenBatch, prepare_global_batch, train_step
@@ -45,10 +45,6 @@ def sft_batch(rows, dp_rank: int, dp_size: int, pad_id: int, seq_multiple: int, 
 def run_sft(cfg) -> dict:
     started = time.perf_counter()
     s = cfg.sft
-    if s.pack and platform.on_gpu():
-        raise ConfigError("sft.pack=true packs samples with per-sample attention masks, which the local (CPU) "
-                          "attention honours; the TransformerEngine path needs THD packed-sequence parameters, not "
-                          "wired yet. Fix: sft.pack=false on GPU")
     parallel.init_distributed(parallel=cfg.parallel)  # the groups: once the model shape is known
     rank = dist.get_rank()
     model_path = prepare_model_folder(cfg)
@@ -86,7 +82,7 @@ def run_sft(cfg) -> dict:
         with timer("train"):
             batch = prepare_global_batch(batch, "token-mean", dp_group=ps.get_data_parallel_group())
             metrics = train_step(policy.model, policy.optimizer, batch, num_mb, None, policy.bridge.vocab_size,
-                                 objective="sft")
+                                 objective="sft", pack=cfg.algorithm.pack_sequences)
             policy.scheduler.step(1)
         metrics.update(timer.take(), **{"sft/rows": len(rows), "sft/samples": len(chosen)})
         if log is not None:
