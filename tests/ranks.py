@@ -15,13 +15,15 @@ def input_batches(n: int = 2, batch: int = 2, seq: int = SEQ, vocab: int = 384, 
     return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(n)]
 
 
-def build(path: str, tp=1, pp=1, vpp=None, ep=1, etp=None, load=True, **config_overrides):
+def build(path: str, tp=1, pp=1, vpp=None, ep=1, etp=None, load=True, explicit_groups=False, **config_overrides):
     """ParallelConfig's pipeline split fields (num_layers_in_first_pipeline_stage, ...) in config_overrides go to the
-    layout; the rest to the model's TransformerConfig."""
+    layout; the rest to the model's TransformerConfig. explicit_groups: the bridge gets megarl.parallel.groups().mcore
+    (else it falls back to megatron's parallel_state groups)."""
     split = {k: config_overrides.pop(k) for k in parallel.config.SPLIT_FIELDS if k in config_overrides}
     folder = open_model_folder(path)
     ps = parallel.initialize(parallel.ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, **split), folder.shape())
-    bridge = ModelBridge(folder, config_overrides=config_overrides)
+    bridge = ModelBridge(folder, config_overrides=config_overrides,
+                         pg=parallel.groups().mcore if explicit_groups else None)
     chunks = bridge.build()
     if load:
         bridge.load_hf_weights(chunks)
@@ -127,24 +129,46 @@ def rl_grads(path: str, layout: dict, global_batch, cfg, num_microbatches: int, 
     return {"grads": dict(bridge.export_hf_weights(chunks, grads=True)), "metrics": metrics}
 
 
-def rl_train_step(path: str, layout: dict, global_batch, cfg, num_microbatches: int) -> dict:
+def rl_train_step(path: str, layout: dict, global_batch, cfg, num_microbatches: int,
+                  explicit_groups: bool = False) -> dict:
     """One megarl.losses.train_step (DDP, SGD, grad clipping): HF weights after, metrics. (SGD keeps the layout
-    comparison tight; Adam's first step is ~lr*sign(g), which amplifies float noise in near-zero grads.)"""
+    comparison tight; Adam's first step is ~lr*sign(g), which amplifies float noise in near-zero grads.)
+    explicit_groups: megatron-core's ProcessGroupCollection is passed to every megarl call, and megarl's fallback to
+    megatron's global groups (megarl.parallel.mcore_groups without a collection) raises."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megarl.losses import compute_log_probs, prepare_global_batch, train_step
 
-    ps, bridge, chunks = build(path, **layout)
-    model = wrap_ddp(chunks)
+    if explicit_groups:
+        _forbid_global_groups()
+    ps, bridge, chunks = build(path, explicit_groups=explicit_groups, **layout)
+    pg = bridge.pg if explicit_groups else None
+    model = wrap_ddp(chunks, pg=pg)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="sgd", lr=0.5, sgd_momentum=0.0, clip_grad=0.05,
                         params_dtype=torch.float32), model)
     local, rows = dp_share(global_batch)
-    log_probs = compute_log_probs(model, local, num_microbatches, bridge.vocab_size, temperature=cfg.temperature)
+    log_probs = compute_log_probs(model, local, num_microbatches, bridge.vocab_size, temperature=cfg.temperature,
+                                  pg=pg)
     local = prepare_global_batch(local, cfg.aggregation, cfg.norm_length, dp_group=ps.get_data_parallel_group())
-    metrics = train_step(model, optimizer, local, num_microbatches, cfg, bridge.vocab_size)
+    metrics = train_step(model, optimizer, local, num_microbatches, cfg, bridge.vocab_size, pg=pg)
     return {"weights": dict(bridge.export_hf_weights(chunks)), "metrics": metrics, "log_probs": log_probs,
             "rows": rows}
+
+
+def _forbid_global_groups() -> None:
+    """In this rank process: megarl code that does not get a ProcessGroupCollection passed raises."""
+    import megarl.losses.rl
+    import megarl.losses.step
+
+    def explicit_only(pg=None):
+        if pg is None:
+            raise AssertionError("megarl looked up megatron's global groups although a ProcessGroupCollection was "
+                                 "passed at the boundary")
+        return pg
+
+    for module in (parallel, megarl.losses.rl, megarl.losses.step):
+        module.mcore_groups = explicit_only
 
 
 def perturb(chunks, seed: int, scale: float = 0.02) -> None:

@@ -128,7 +128,7 @@ def _rl_grads_per_config(path, layout, global_batch, cfgs, num_microbatches):
             metrics = reduce_metrics(forward_backward(model, batch, num_microbatches, cfg, bridge.vocab_size))
             out.append({"grads": dict(bridge.export_hf_weights(chunks, grads=True)), "metrics": metrics})
     # Update sparsity's count (megarl.algorithms.dynamics): a layout-free "update" that doubles the positive elements
-    tracker = UpdateSparsity(chunks, ps, bridge.vocab_size).snapshot()
+    tracker = UpdateSparsity(chunks, bridge.pg, bridge.vocab_size).snapshot()
     with torch.no_grad():
         for p in tracker.params:
             p.mul_(torch.where(p > 0, 2.0, 1.0))

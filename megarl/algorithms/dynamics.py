@@ -58,12 +58,13 @@ class UpdateSparsity:
     changed in between, elements of the model), each element counted once (see the module docstring); the update
     sparsity is 1 - changed / total."""
 
-    def __init__(self, chunks, ps, vocab_size: int | None = None):
+    def __init__(self, chunks, pg, vocab_size: int | None = None):
+        """pg: megatron-core's ProcessGroupCollection of the model's layout."""
         named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
         self.params = [p for _, p in named]
-        dp_rank, expert_dp_rank = ps.get_data_parallel_rank(), ps.get_expert_data_parallel_rank()
+        dp_rank, expert_dp_rank = pg.dp.rank(), pg.expt_dp.rank()
         self.counted = [counts_here(p, dp_rank, expert_dp_rank) for p in self.params]
-        tp_rank = ps.get_tensor_model_parallel_rank()
+        tp_rank = pg.tp.rank()
         # the vocabulary-parallel embedding / output layer: this TP rank's rows below vocab_size
         self.rows = [max(0, min(p.shape[0], vocab_size - tp_rank * p.shape[0]))
                      if vocab_size is not None and n.endswith(("word_embeddings.weight", "output_layer.weight"))

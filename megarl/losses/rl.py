@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..algorithms import (AlgorithmConfig, POLICY_LOSSES, global_counts, kl_estimate, loss_weights, mismatch_weights,
                           value_loss)
+from ..parallel import mcore_groups
 from .fused_linear import logprob_entropy
 
 
@@ -273,13 +274,12 @@ def values_from_head(output: torch.Tensor) -> torch.Tensor:
     return output[..., 0].float()
 
 
-def make_value_loss_func(batch: TokenBatch, cfg: AlgorithmConfig, *, num_microbatches: int, dp_size: int | None = None):
+def make_value_loss_func(batch: TokenBatch, cfg: AlgorithmConfig, *, num_microbatches: int, dp_size: int | None = None,
+                         pg=None):
     """The critic's loss_func for one micro-batch (same scaling as make_loss_func)."""
-    from megatron.core import parallel_state as ps
-
     if batch.loss_weight is None:
         raise ValueError("batch.loss_weight is not set: call prepare_global_batch() on the global batch first")
-    dp_size = dp_size if dp_size is not None else ps.get_data_parallel_world_size()
+    dp_size = dp_size if dp_size is not None else mcore_groups(pg).dp.size()
 
     def loss_func(output: torch.Tensor):
         loss, metrics = value_objective(values_from_head(output), batch, cfg)
@@ -292,27 +292,27 @@ def make_value_loss_func(batch: TokenBatch, cfg: AlgorithmConfig, *, num_microba
 # ---------------------------------------------------------------------------------------------- Megatron adapter
 def make_loss_func(batch: TokenBatch, cfg: AlgorithmConfig | None, *, num_microbatches: int, vocab_size: int,
                    objective: str = "rl", temperature: float | None = None, tp_group=None, cp_group=None,
-                   dp_size: int | None = None, model_config=None, packing=None):
+                   dp_size: int | None = None, model_config=None, packing=None, pg=None):
     """The loss_func a forward_step_func returns to Megatron's schedule, for one micro-batch.
 
-    Groups and the DP size default to megatron.core.parallel_state's. Returns loss_func(output) -> (scaled loss,
+    Groups and the DP size come from pg, megatron-core's ProcessGroupCollection (megarl.parallel.groups().mcore;
+    None: megatron's parallel_state groups), unless given one by one. Returns loss_func(output) -> (scaled loss,
     metrics), output being the last pipeline stage's: this TP rank's logits [b, s, vocab/tp], or the final hidden
     states + output weight (a HeadInput, megarl.losses.fused_linear) when run with the fused output layer.
     packing: the micro-batch's megarl.models.forward.PackedLayout when the model ran on its rows packed into one
     (algorithm.pack_sequences): the output is then [1, total, ...]; log-probs and entropy are computed there and
     unpacked to [b, s] before the objective, which sees exactly what the padded forward gives.
     """
-    from megatron.core import parallel_state as ps
-
+    pg = mcore_groups(pg)
     if model_config is not None and getattr(model_config, "calculate_per_token_loss", False):
         raise ValueError("megarl's loss functions normalise by global counts themselves; set "
                          "TransformerConfig.calculate_per_token_loss=False")
     if batch.loss_weight is None:
         raise ValueError("batch.loss_weight is not set: call prepare_global_batch() on the global batch first")
-    tp_group = tp_group if tp_group is not None else ps.get_tensor_model_parallel_group()
-    if cp_group is None and ps.get_context_parallel_world_size() > 1:
-        cp_group = ps.get_context_parallel_group()
-    dp_size = dp_size if dp_size is not None else ps.get_data_parallel_world_size()
+    tp_group = tp_group if tp_group is not None else pg.tp
+    if cp_group is None and pg.cp.size() > 1:
+        cp_group = pg.cp
+    dp_size = dp_size if dp_size is not None else pg.dp.size()
     temperature = temperature if temperature is not None else (cfg.temperature if cfg is not None else 1.0)
     fn = OBJECTIVES[objective]
 
@@ -356,17 +356,17 @@ def histogram_quantile(hist: torch.Tensor, q: float) -> torch.Tensor:
     return sums[index] / counts[index]
 
 
-def reduce_metrics(per_microbatch: list[dict] | None) -> dict[str, float]:
+def reduce_metrics(per_microbatch: list[dict] | None, pg=None) -> dict[str, float]:
     """Global metrics from the loss functions' outputs (a collective over all ranks; call it on every rank).
 
     Means are sums over micro-batches, DP and CP ranks divided by the global token count; maxima and ratio
     percentiles are global too. Only the last pipeline stage computed them: the result is shared with every stage.
+    pg: megatron-core's ProcessGroupCollection (None: megatron's parallel_state groups).
     """
-    from megatron.core import parallel_state as ps
-
+    pg = mcore_groups(pg)
     holder = None
     if per_microbatch:
-        dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+        dp_cp = pg.dp_cp
         keys = sorted(per_microbatch[0])
         means = [k for k in keys if k.startswith("mean/") or k == "loss"]
         maxes = [k for k in keys if k.startswith("max/")]
@@ -392,7 +392,7 @@ def reduce_metrics(per_microbatch: list[dict] | None) -> dict[str, float]:
                     result[f"ratio_p{int(q * 100)}"] = float(torch.exp(histogram_quantile(hist, q)))
         holder = result
     # Share the last stage's result with the other pipeline stages.
-    pp_group = ps.get_pipeline_model_parallel_group()
+    pp_group = pg.pp
     last = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)
     box = [holder]
     dist.broadcast_object_list(box, src=last, group=pp_group)

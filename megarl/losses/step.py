@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import platform
+from ..parallel import last_pipeline_stage, mcore_groups
 from ..algorithms import AlgorithmConfig
 from ..models.forward import causal_inputs, packed_layouts
 from ..models.moe import replay_routing
@@ -13,7 +14,7 @@ from .rl import TokenBatch, make_loss_func, make_value_loss_func, reduce_metrics
 
 
 def run_schedule(model, micro_batches: list[TokenBatch], loss_func_for, forward_only: bool = False,
-                 fused_head: bool = False, pack: bool | None = False):
+                 fused_head: bool = False, pack: bool | None = False, pg=None):
     """get_forward_backward_func() over the micro-batches; loss_func_for(batch, packing) gives each one's loss_func.
 
     model: one (DDP-wrapped) GPTModel or the list of its virtual-pipeline chunks. fused_head: the last stage skips its
@@ -25,20 +26,25 @@ def run_schedule(model, micro_batches: list[TokenBatch], loss_func_for, forward_
     micro-batch with packing None. pack=True (algorithm.pack_sequences): only the model's forward changes. Each
     micro-batch's rows go into one row of their real tokens (megarl.models.forward.PackedLayout: per-sample attention
     and positions, the MoE routing to replay packed the same way), and loss_func_for gets the [b, s] micro-batch with
-    its PackedLayout, whose unpack() puts the per-token outputs back on [b, s] before any objective runs."""
+    its PackedLayout, whose unpack() puts the per-token outputs back on [b, s] before any objective runs.
+
+    pg: megatron-core's ProcessGroupCollection (megarl.parallel.groups().mcore), passed to the schedule with a
+    P2PCommunicator on its pipeline group; None: megatron's parallel_state groups (megarl.parallel.mcore_groups)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
     model = as_chunks(model)
+    pg = mcore_groups(pg)
     thd = _thd()
     # TransformerEngine's attention takes no per-sample mask, only THD boundaries: rows that hold several samples
     # (segment_ids, SFT's sft.pack) always run packed there.
     pack = pack or (thd and any(b.segment_ids is not None for b in micro_batches))
-    layouts = schedule_layouts(model, micro_batches, pack)  # pack None: packed unless context parallelism is on
+    layouts = schedule_layouts(model, micro_batches, pack, pg)  # pack None: packed unless context parallelism is on
     if layouts and layouts[0] is not None:
         seq_length = max(layout.length for layout in layouts)
         micro_batch_size = max(layout.out_rows for layout in layouts)
     else:
-        multiple = _sequence_multiple(model)
+        multiple = _sequence_multiple(model, pg)
         micro_batches = [b.pad_to_multiple(multiple) for b in micro_batches]
         seq_length, micro_batch_size = micro_batches[0].input_ids.shape[1], micro_batches[0].input_ids.shape[0]
 
@@ -58,13 +64,16 @@ def run_schedule(model, micro_batches: list[TokenBatch], loss_func_for, forward_
 
     items = list(zip(micro_batches, layouts))
     iterators = [iter(items) for _ in model] if len(model) > 1 else iter(items)
-    return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iterators, model=model if len(model) > 1 else model[0],
-        num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
-        forward_only=forward_only)
+    groups = {"pg_collection": pg}
+    if pg.pp.size() > 1:  # megatron-core's pipelined schedules take explicit groups with their p2p communicator
+        groups["p2p_communicator"] = P2PCommunicator(pp_group=pg.pp, config=_unwrap(model[0]).config)
+    schedule = get_forward_backward_func(pp_size=pg.pp.size(), vp_size=len(model) if len(model) > 1 else None)
+    return schedule(forward_step_func=forward_step, data_iterator=iterators, model=model if len(model) > 1 else model[0],
+                    num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
+                    forward_only=forward_only, **groups)
 
 
-def schedule_layouts(model, micro_batches: list[TokenBatch], pack: bool | None) -> list:
+def schedule_layouts(model, micro_batches: list[TokenBatch], pack: bool | None, pg=None) -> list:
     """The PackedLayout run_schedule gives each micro-batch (None each when pack is off), packed lengths a multiple of
     the TP size under sequence parallelism. For code that must read per-token results of the forward in packed order
     (e.g. megarl.models.moe.RoutingStats).
@@ -76,19 +85,17 @@ def schedule_layouts(model, micro_batches: list[TokenBatch], pack: bool | None) 
     costs more than padded, and the other layers compute only about the real tokens. With pipeline stages every
     micro-batch of the call gets one packed shape (the p2p activation shape is fixed); without, each keeps its own
     (megatron-core's no-pipelining schedule does not use seq_length / micro_batch_size)."""
-    from megatron.core import parallel_state as ps
-
+    pg = mcore_groups(pg)
     if pack is None:  # algorithm.pack_sequences unset: packed unless context parallelism is on
-        pack = ps.get_context_parallel_world_size() == 1
+        pack = pg.cp.size() == 1
     if not pack:
         return [None] * len(micro_batches)
-    if ps.get_context_parallel_world_size() > 1:
+    if pg.cp.size() > 1:
         raise ValueError(f"algorithm.pack_sequences=true is not wired for context parallelism (parallel.cp="
-                         f"{ps.get_context_parallel_world_size()}): THD packing would need cu_seqlens padded per CP "
-                         "shard. Fix: set algorithm.pack_sequences: false")
+                         f"{pg.cp.size()}): THD packing would need cu_seqlens padded per CP shard. Fix: set "
+                         "algorithm.pack_sequences: false")
     return packed_layouts([b.loss_mask for b in micro_batches], [b.segment_ids for b in micro_batches],
-                          _sequence_multiple(as_chunks(model)),
-                          equal_shapes=ps.get_pipeline_model_parallel_world_size() > 1,
+                          _sequence_multiple(as_chunks(model), pg), equal_shapes=pg.pp.size() > 1,
                           row_length=None if _thd() else max(b.input_ids.shape[1] for b in micro_batches))
 
 
@@ -98,11 +105,9 @@ def _thd() -> bool:
     return platform.on_gpu()
 
 
-def _sequence_multiple(model: list) -> int:
+def _sequence_multiple(model: list, pg) -> int:
     """Sequence parallelism splits the sequence over the TP ranks: lengths must be a multiple of the TP size."""
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_world_size() if _unwrap(model[0]).config.sequence_parallel else 1
+    return pg.tp.size() if _unwrap(model[0]).config.sequence_parallel else 1
 
 
 def _resolve_pack(pack: bool | None, cfg) -> bool | None:
@@ -120,39 +125,42 @@ def _on_rows(loss_func, packing):
 
 
 def forward_backward(model, global_batch: TokenBatch, num_microbatches: int, cfg, vocab_size: int,
-                     objective: str = "rl", pack: bool | None = None) -> list:
+                     objective: str = "rl", pack: bool | None = None, pg=None) -> list:
     """Accumulate gradients of this rank's share of a prepared global batch; returns the loss functions' metrics.
     Log-probs come from the fused output layer unless cfg.fused_logprobs is false (SFT, cfg None: fused). pack:
-    packed forward (run_schedule); None: cfg.pack_sequences (cfg None: AlgorithmConfig's default)."""
+    packed forward (run_schedule); None: cfg.pack_sequences (cfg None: AlgorithmConfig's default). pg: megatron-core's
+    ProcessGroupCollection (as in run_schedule)."""
     model = as_chunks(model)
+    pg = mcore_groups(pg)
     micro_batches = global_batch.split(num_microbatches)
     config = _unwrap(model[0]).config
     pack = _resolve_pack(pack, cfg)
     if objective == "value":  # the critic: its "logits" are the value head's output
         return run_schedule(model, micro_batches, lambda b, p: _on_rows(
-            make_value_loss_func(b, cfg, num_microbatches=num_microbatches), p), pack=pack)
+            make_value_loss_func(b, cfg, num_microbatches=num_microbatches, pg=pg), p), pack=pack, pg=pg)
     fused = cfg.fused_logprobs if cfg is not None else True
     return run_schedule(model, micro_batches, lambda b, p: make_loss_func(
         b, cfg, num_microbatches=num_microbatches, vocab_size=vocab_size, objective=objective, model_config=config,
-        packing=p), fused_head=fused, pack=pack)
+        packing=p, pg=pg), fused_head=fused, pack=pack, pg=pg)
 
 
 def train_step(model, optimizer, global_batch: TokenBatch, num_microbatches: int, cfg, vocab_size: int,
-               objective: str = "rl", pack: bool | None = None) -> dict:
+               objective: str = "rl", pack: bool | None = None, pg=None) -> dict:
     """zero grads -> forward/backward over the micro-batches -> optimizer step; globally reduced metrics.
 
     model: the Megatron-DDP-wrapped model (one module or its virtual-pipeline chunks) whose config has
     finalize_model_grads_func set (megarl.trainer.setup.wrap_ddp does both): the schedule then reduces gradients
     over DP and all-reduces the sequence-parallel (norm) gradients over TP. global_batch: prepared by
-    prepare_global_batch(). cfg: the AlgorithmConfig (None for objective="sft"). pack: as in forward_backward."""
+    prepare_global_batch(). cfg: the AlgorithmConfig (None for objective="sft"). pack, pg: as in forward_backward."""
     model = as_chunks(model)
+    pg = mcore_groups(pg)
     _check_finalize(model)
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    per_microbatch = forward_backward(model, global_batch, num_microbatches, cfg, vocab_size, objective, pack)
+    per_microbatch = forward_backward(model, global_batch, num_microbatches, cfg, vocab_size, objective, pack, pg)
     updated, grad_norm, _ = optimizer.step()
-    metrics = reduce_metrics(per_microbatch)
+    metrics = reduce_metrics(per_microbatch, pg)
     metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                    update_successful=float(bool(updated)), lr=float(optimizer.param_groups[0]["lr"]))
     return metrics
@@ -160,13 +168,13 @@ def train_step(model, optimizer, global_batch: TokenBatch, num_microbatches: int
 
 @torch.no_grad()
 def forward_only(model, global_batch: TokenBatch, num_microbatches: int, per_token, fused_head: bool = False,
-                 pack: bool | None = False):
+                 pack: bool | None = False, pg=None):
     """per_token(model_output, micro_batch) -> [b, s] for every micro-batch through the forward-only schedule,
     concatenated and masked by loss_mask, with the batch's own sequence length s (padding run_schedule added is cut
     off again); on the last pipeline stage (None elsewhere). fused_head: as in run_schedule. pack: packed forward
     (run_schedule); per_token then gets the packed micro-batch (input_ids, targets, loss_mask as [1, total]) and its
-    result is unpacked to [b, s]."""
-    from megatron.core import parallel_state as ps
+    result is unpacked to [b, s]. pg: as in run_schedule."""
+    pg = mcore_groups(pg)
 
     def loss_func_for(batch, packing):
         def loss_func(output):
@@ -181,45 +189,45 @@ def forward_only(model, global_batch: TokenBatch, num_microbatches: int, per_tok
         return loss_func
 
     outputs = run_schedule(model, global_batch.split(num_microbatches), loss_func_for, forward_only=True,
-                           fused_head=fused_head, pack=pack)
-    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+                           fused_head=fused_head, pack=pack, pg=pg)
+    if not last_pipeline_stage(pg):
         return None
     return torch.cat([o["values"][:, :global_batch.input_ids.shape[1]] for o in outputs])
 
 
-def holds_results() -> bool:
+def holds_results(pg=None) -> bool:
     """True on the ranks whose forward-only results count once: the last pipeline stage's TP rank 0 (the other TP
     ranks hold copies, the other stages nothing)."""
-    from megatron.core import parallel_state as ps
-
-    return ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+    pg = mcore_groups(pg)
+    return last_pipeline_stage(pg) and pg.tp.rank() == 0
 
 
 def compute_log_probs(model, global_batch: TokenBatch, num_microbatches: int, vocab_size: int,
-                      temperature: float = 1.0, entropy: bool = False, fused: bool = True, pack: bool | None = None):
+                      temperature: float = 1.0, entropy: bool = False, fused: bool = True, pack: bool | None = None,
+                      pg=None):
     """Log-probs [b, s] of the batch's targets under `model` (old or reference policy; one module or its chunks), on
     the last pipeline stage (None elsewhere; every TP rank there holds the same values); positions outside
     loss_mask are 0. Needs only input_ids, targets, loss_mask (and segment_ids when packed). entropy=True:
     (log-probs, entropies of the predicted distribution) from the same forward. fused: compute them from the final
     hidden states and the output weight without materialising the logits (algorithm.fused_logprobs). pack: packed
-    forward (algorithm.pack_sequences; None: its default)."""
-    from megatron.core import parallel_state as ps
+    forward (algorithm.pack_sequences; None: its default). pg: as in run_schedule."""
+    pg = mcore_groups(pg)
 
     def log_probs(output, batch):
         log_prob, ent = logprob_entropy(output, batch.targets, vocab_size=vocab_size, temperature=temperature,
-                                        group=ps.get_tensor_model_parallel_group())
+                                        group=pg.tp)
         return torch.stack([log_prob, ent], dim=-1) if entropy else log_prob
 
     out = forward_only(model, global_batch, num_microbatches, log_probs, fused_head=fused,
-                       pack=_resolve_pack(pack, None))
+                       pack=_resolve_pack(pack, None), pg=pg)
     return tuple(out.unbind(-1)) if entropy and out is not None else out
 
 
-def compute_values(model, global_batch: TokenBatch, num_microbatches: int, pack: bool | None = None):
+def compute_values(model, global_batch: TokenBatch, num_microbatches: int, pack: bool | None = None, pg=None):
     """The critic's values [b, s] on the last pipeline stage (None elsewhere); 0 outside loss_mask. pack: as in
     compute_log_probs."""
     return forward_only(model, global_batch, num_microbatches, lambda output, batch: values_from_head(output),
-                        pack=_resolve_pack(pack, None))
+                        pack=_resolve_pack(pack, None), pg=pg)
 
 
 def as_chunks(model) -> list:

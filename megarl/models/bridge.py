@@ -85,20 +85,23 @@ def is_expert_param(name: str) -> bool:
 
 
 class ModelBridge:
-    """One HF model folder, bound to the current megatron parallel_state layout.
+    """One HF model folder, bound to a parallel layout: `pg`, megatron-core's ProcessGroupCollection
+    (megarl.parallel.groups().mcore; None: megatron's parallel_state groups), used for every collective and passed to
+    the GPTModels it builds.
 
-        bridge = ModelBridge("path/to/hf_folder")          # after megarl.parallel.initialize(...)
+        bridge = ModelBridge("path/to/hf_folder", pg=megarl.parallel.groups().mcore)   # after megarl.parallel.initialize
         chunks = bridge.build()                              # list[GPTModel], one per virtual pipeline stage
         bridge.load_hf_weights(chunks)
         for hf_name, tensor in bridge.export_hf_weights(chunks): ...   # each HF tensor on one owner rank
     """
 
     def __init__(self, hf: str | HFModelFolder, dtype: torch.dtype | None = None,
-                 make_vocab_size_divisible_by: int = 128, config_overrides: dict | None = None):
+                 make_vocab_size_divisible_by: int = 128, config_overrides: dict | None = None, pg=None):
         from megatron.core import parallel_state as ps
 
-        if not ps.model_parallel_is_initialized():
+        if pg is None and not ps.model_parallel_is_initialized():
             raise RuntimeError("ModelBridge needs megatron parallel_state: call megarl.parallel.initialize() first")
+        self.pg = parallel.mcore_groups(pg)
         self.hf = hf if isinstance(hf, HFModelFolder) else open_model_folder(hf)
         self.dtype = dtype or (torch.bfloat16 if platform.on_gpu() else torch.float32)
         hf_config = self.hf.config
@@ -115,9 +118,10 @@ class ModelBridge:
         self.mb.set_extra_args(**self._config_extras(config_overrides or {}))
         self.config = self.mb.config
 
-        self.tp, self.tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-        self.etp, self.etp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
-        self.ep, self.ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+        pg = self.pg
+        self.tp, self.tp_rank = pg.tp.size(), pg.tp.rank()
+        self.etp, self.etp_rank = pg.expt_tp.size(), pg.expt_tp.rank()
+        self.ep, self.ep_rank = pg.ep.size(), pg.ep.rank()
         if self.config.multi_latent_attention and self.tp > 1 and not platform.on_gpu():
             # megatron-core 0.19.2's local-spec MLA builds the kv down projection as a ColumnParallelLinear and gathers
             # its output with gather_from_tensor_model_parallel_region, whose backward keeps this rank's slice of the
@@ -183,11 +187,11 @@ class ModelBridge:
 
         value_head=True builds a critic: the same network with the LM head replaced by a ValueHead (zero-initialised)
         and untied from the embedding."""
-        from megatron.core import parallel_state as ps
         from megatron.core.enums import ModelType
         from megatron.core.models.gpt import GPTModel
 
-        vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+        vpp = self.config.virtual_pipeline_model_parallel_size or 1
+        first_stage, last_stage = self.pg.pp.rank() == 0, self.pg.pp.rank() == self.pg.pp.size() - 1
         chunks = []
         for stage in range(vpp):
             vp_stage = stage if vpp > 1 else None
@@ -196,13 +200,13 @@ class ModelBridge:
                 transformer_layer_spec=self.layer_spec(vp_stage),
                 vocab_size=self.padded_vocab_size,
                 max_sequence_length=self.hf.config.max_position_embeddings,
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                pre_process=first_stage and stage == 0, post_process=last_stage and stage == vpp - 1,
                 parallel_output=True,
                 share_embeddings_and_output_weights=self.tied and not value_head,
                 position_embedding_type="rope",
                 rotary_base=self.hf.rope_theta,
                 vp_stage=vp_stage,
+                pg_collection=self.pg,
             )
             model.model_type = ModelType.encoder_or_decoder
             if value_head and model.post_process:
@@ -291,15 +295,13 @@ class ModelBridge:
     def owner_rank(self, canonical: str) -> int | None:
         """Global rank that yields this tensor in export_hf_weights (rank 0 of its TP / expert-TP group in data-parallel
         replica 0), or None when this rank's replica does not export it."""
-        from megatron.core import parallel_state as ps
-
         if is_expert_param(canonical):
-            if ps.get_expert_data_parallel_rank() != 0:
+            if self.pg.expt_dp.rank() != 0:
                 return None
-            return dist.get_global_rank(ps.get_expert_tensor_parallel_group(), 0)
-        if ps.get_data_parallel_rank(with_context_parallel=True) != 0:
+            return dist.get_global_rank(self.pg.expt_tp, 0)
+        if self.pg.dp_cp.rank() != 0:
             return None
-        return dist.get_global_rank(ps.get_tensor_model_parallel_group(), 0)
+        return dist.get_global_rank(self.pg.tp, 0)
 
     def owner_ranks(self, chunks: list) -> list[int]:
         """Every rank that owns at least one HF tensor (a collective; the same sorted list on all ranks)."""
@@ -322,19 +324,17 @@ class ModelBridge:
         copy=False lets the yielded tensors alias the live parameters (the reshard step copies them into its buckets
         at once); the default copies.
         """
-        from megatron.core import parallel_state as ps
-
         for model in chunks:
             for local_name, param, value in self._tensors(model, grads):
                 canonical = self.canonical_name(model, local_name)
-                if self.tied and canonical == "output_layer.weight" and ps.get_pipeline_model_parallel_world_size() > 1:
+                if self.tied and canonical == "output_layer.weight" and self.pg.pp.size() > 1:
                     continue  # the first stage's embedding is the one HF tensor
                 owner_rank = self.owner_rank(canonical)
                 if owner_rank is None or (owner is not None and owner_rank != owner):
                     continue
                 expert = is_expert_param(canonical)
                 size = self.etp if expert else self.tp
-                group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+                group = self.pg.expt_tp if expert else self.pg.tp
                 is_owner = dist.get_rank() == owner_rank
                 gathered = size > 1 and getattr(param, "tensor_model_parallel", False)
                 if gathered:  # only the owner receives (and merges) the shards

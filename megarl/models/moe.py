@@ -25,11 +25,9 @@ def routers(chunks: list) -> list:
 
 def _tokens_of(router, per_layer: torch.Tensor) -> torch.Tensor:
     """[b, s, k] of one layer -> [tokens, k] in the order this rank's router sees them."""
-    from megatron.core import parallel_state as ps
-
     tokens = per_layer.transpose(0, 1)  # [s, b, k]
-    if router.config.sequence_parallel:
-        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    if router.config.sequence_parallel:  # the router's own TP group (the model's ProcessGroupCollection)
+        tp, rank = router.tp_group.size(), router.tp_group.rank()
         chunk = tokens.shape[0] // tp
         tokens = tokens[rank * chunk:(rank + 1) * chunk]
     return tokens.reshape(-1, tokens.shape[-1])

@@ -102,6 +102,22 @@ def groups() -> Groups:
     return _groups
 
 
+def mcore_groups(pg=None):
+    """megatron-core's ProcessGroupCollection to run on: `pg` when given (megarl's own code passes
+    megarl.parallel.groups().mcore), else megatron's parallel_state groups (a user's own Megatron loop that calls
+    megarl's loss functions without passing groups, as megatron-core's own schedules default)."""
+    if pg is not None:
+        return pg
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def last_pipeline_stage(pg) -> bool:
+    """True on the last pipeline stage of the ProcessGroupCollection `pg` (of all its virtual stages)."""
+    return pg.pp.rank() == pg.pp.size() - 1
+
+
 def teardown() -> None:
     """Destroy megatron's groups and the default process group (safe to call twice)."""
     from megatron.core import parallel_state
@@ -115,5 +131,5 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["ORDER", "DistributedEnv", "Groups", "groups", "LaunchEnvError", "ModelShape", "ParallelConfig", "ParallelConfigError",
+__all__ = ["ORDER", "DistributedEnv", "Groups", "groups", "last_pipeline_stage", "mcore_groups", "LaunchEnvError", "ModelShape", "ParallelConfig", "ParallelConfigError",
            "first_slurm_host", "free_port", "init_distributed", "initialize", "pipeline_split", "teardown"]

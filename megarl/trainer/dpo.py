@@ -69,14 +69,14 @@ def run_dpo(cfg) -> dict:
     rank = dist.get_rank()
     model_path = prepare_model_folder(cfg)
     folder = init_parallel(cfg, model_path)
-    from megatron.core import parallel_state as ps
+    pg = parallel.groups().mcore  # megatron-core's ProcessGroupCollection, passed to every step below
 
     tok = ChatTokenizer.from_pretrained(model_path)
     with about(f"dpo.data={d.data}"):
         pairs = load_preference_pairs(d.data, tok, cfg.data)[: d.max_samples]
     optim = type(cfg.optim)(**{**to_dict(cfg.optim), "lr": d.lr, "min_lr": d.min_lr, "weight_decay": d.weight_decay,
                                "warmup_steps": d.warmup_steps, "decay_style": d.decay_style})
-    policy = build_policy(folder, optim, d.steps, load=resolve_load(cfg))
+    policy = build_policy(folder, optim, d.steps, load=resolve_load(cfg), pg=pg)
     ref = build_reference(policy.bridge, policy.chunks)  # the initial policy, before any resumed weights load
     out_dir = dpo_dir(cfg)
     ckpt_root = os.path.join(out_dir, "checkpoints")
@@ -88,7 +88,7 @@ def run_dpo(cfg) -> dict:
                      progress=cfg.logging.progress, filename="dpo_metrics.jsonl") if rank == 0 else None
     if log is not None:
         log.truncate_after(step)
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    dp_rank, dp_size = pg.dp.rank(), pg.dp.size()
     per_epoch = max(1, len(pairs) // d.batch_size)
     history = []
     while step < d.steps:
@@ -97,16 +97,16 @@ def run_dpo(cfg) -> dict:
         epoch, index = divmod(step - 1, per_epoch)
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
         chosen = [pairs[i] for i in order[index * d.batch_size:(index + 1) * d.batch_size]]
-        batch, num_mb = pair_batch(chosen, dp_rank, dp_size, tok.pad_id, ps.get_tensor_model_parallel_world_size(),
+        batch, num_mb = pair_batch(chosen, dp_rank, dp_size, tok.pad_id, pg.tp.size(),
                                    d.max_seq_len, d.max_tokens_per_microbatch)
         # seq-mean-token-mean: every real row's weights sum to 1 / rows, so a pair (two rows) weighs 1 / pairs
-        batch = prepare_global_batch(batch, "seq-mean-token-mean", dp_group=ps.get_data_parallel_group())
+        batch = prepare_global_batch(batch, "seq-mean-token-mean", dp_group=pg.dp, seq_multiple=pg.tp.size())
         with timer("ref"):
-            ref_lp = compute_log_probs(ref, batch, num_mb, policy.bridge.vocab_size, fused=d.fused_logprobs)
+            ref_lp = compute_log_probs(ref, batch, num_mb, policy.bridge.vocab_size, fused=d.fused_logprobs, pg=pg)
             batch.ref_log_probs = ref_lp if ref_lp is not None else torch.zeros_like(batch.loss_mask)
         with timer("train"):
             metrics = train_step(policy.model, policy.optimizer, batch, num_mb, d, policy.bridge.vocab_size,
-                                 objective="preference")
+                                 objective="preference", pg=pg)
             policy.scheduler.step(1)
         metrics.update(timer.take(), **{"dpo/pairs": len(chosen)})
         history.append(metrics)

@@ -29,17 +29,16 @@ from .setup import prompt_tools
 def response_stats(trainer: RLTrainer, pairs: list[tuple[list[int], list[int]]]) -> dict:
     """Perplexity and mean entropy (nats) of the responses under the trainer's model (temperature 1), and their
     perplexity under the engine; token-weighted over all responses."""
-    ps = trainer.ps
     samples = [Sample(group=i, prompt_index=i, prompt_ids=p, response_ids=r, rollout_log_probs=[0.0] * len(r),
                       finish_reason="stop") for i, (p, r) in enumerate(pairs)]
     rb = rank_batch(samples, trainer.dp_rank, trainer.dp_size, trainer.tok.pad_id,
-                    seq_multiple=ps.get_tensor_model_parallel_world_size(),
+                    seq_multiple=trainer.pg.tp.size(),
                     max_tokens_per_microbatch=trainer.cfg.rl.max_tokens_per_microbatch)
     sums = torch.zeros(3, dtype=torch.float64)  # sum log-prob, sum entropy, tokens
     per_token = compute_log_probs(trainer.policy.model, rb.batch, rb.num_microbatches, trainer.bridge.vocab_size,
                                   entropy=True, fused=trainer.cfg.algorithm.fused_logprobs,
-                                  pack=trainer.cfg.algorithm.pack_sequences)
-    if holds_results():
+                                  pack=trainer.cfg.algorithm.pack_sequences, pg=trainer.pg)
+    if holds_results(trainer.pg):
         sums += torch.stack([per_token[0].sum(), per_token[1].sum(), rb.batch.loss_mask.sum()]).double()
     dist.all_reduce(sums)
     stats = {"responses": len(pairs), "tokens": int(sums[2]), "trainer_ppl": math.exp(-sums[0] / sums[2]),

@@ -80,16 +80,14 @@ class RLTrainer:
 
     def _build(self, cfg, metrics_log: bool) -> None:
         folder = init_parallel(cfg, self.model_path)
-        from megatron.core import parallel_state as ps
-
-        self.ps = ps
         self.groups = parallel.groups()
+        self.pg = self.groups.mcore  # megatron-core's ProcessGroupCollection: passed to every collective below
         self.dp_rank, self.dp_size = self.groups.dp_rank, self.groups.dp_size
         self._samples, self._packed, self._plan = [], None, None  # rank 0: the step's rollout (see _collect)
         self.tok = ChatTokenizer.from_pretrained(self.model_path)
         updates = cfg.rl.steps * cfg.rl.ppo_epochs * cfg.rl.mini_batches
         self.policy = build_policy(folder, cfg.optim, updates, load=resolve_load(cfg),
-                                   config_overrides=moe_config_overrides(cfg, folder))
+                                   config_overrides=moe_config_overrides(cfg, folder), pg=self.pg)
         self.bridge = self.policy.bridge
         hf = folder.config  # the engine's routing per position: [layers, top-k] (MoE, rollout.return_routed_experts)
         self.routing_shape = (hf.num_hidden_layers, hf.num_experts_per_tok) if folder.is_moe else None
@@ -242,13 +240,14 @@ class RLTrainer:
         if self.critic is not None:
             with timer("values"):
                 batch.old_values = _on_every_stage(compute_values(self.critic.model, batch, rb.num_microbatches,
-                                                                  pack=cfg.algorithm.pack_sequences), batch.loss_mask)
+                                                                  pack=cfg.algorithm.pack_sequences, pg=self.pg),
+                                                   batch.loss_mask)
         with timer("advantages"):
             batch.advantages, batch.returns = self._advantages(rb)
 
         # 5. PPO epochs x mini-batches, each one optimizer step through Megatron's schedule.
         train = []
-        tracker = UpdateSparsity(self.policy.chunks, self.ps, self.bridge.vocab_size).snapshot() \
+        tracker = UpdateSparsity(self.policy.chunks, self.pg, self.bridge.vocab_size).snapshot() \
             if cfg.rl.log_update_sparsity else None  # RL dynamics: parameters the step's updates change
         with timer("train"):
             rows = batch.input_ids.shape[0] // cfg.rl.mini_batches
@@ -257,16 +256,17 @@ class RLTrainer:
                     part, num_mb = slice(k * rows, (k + 1) * rows), max(1, rb.num_microbatches // cfg.rl.mini_batches)
                     # One optimizer step per phase (megarl.algorithms.token_selection: Lopti's two, else one), each
                     # normalised by its own global token count; the phases share the mini-batch's learning rate.
-                    phases = loss_phases(batch.rows(part), cfg.algorithm, group=self.ps.get_data_parallel_group(),
+                    phases = loss_phases(batch.rows(part), cfg.algorithm, group=self.pg.dp,
                                          entropy=old_entropy[part] if old_entropy is not None else None,
                                          seed=((cfg.seed * 1_000_003 + step) * 1009 + epoch) * 101 + k)
                     for phase in phases:
                         train.append(train_step(self.policy.model, self.policy.optimizer, self._prepare(phase), num_mb,
-                                                cfg.algorithm, self.bridge.vocab_size))
+                                                cfg.algorithm, self.bridge.vocab_size, pg=self.pg))
                     self.policy.scheduler.step(1)
                     if self.critic is not None:
                         critic = train_step(self.critic.model, self.critic.optimizer, self._prepare(batch.rows(part)),
-                                            num_mb, cfg.algorithm, self.bridge.vocab_size, objective="value")
+                                            num_mb, cfg.algorithm, self.bridge.vocab_size, objective="value",
+                                            pg=self.pg)
                         self.critic.scheduler.step(1)
                         for metrics in train[-len(phases):]:
                             metrics.update({f"critic/{k}": v for k, v in critic.items()})
@@ -302,7 +302,7 @@ class RLTrainer:
         self._packed = PackedRollout.from_samples(self._samples, routing=self._routing_shape() is not None,
                                                   group_size=n)
         self._plan = BatchPlan.from_workers(self._packed, cfg.rollout.prompts_per_step * n, n, self.workers.sum,
-                                            self.dp_size, self.ps.get_tensor_model_parallel_world_size(),
+                                            self.dp_size, self.pg.tp.size(),
                                             cfg.rl.max_tokens_per_microbatch, row_multiple=cfg.rl.mini_batches)
         return stats
 
@@ -319,7 +319,7 @@ class RLTrainer:
                                         "rollout_log_probs": _listed(s.rollout_log_probs), "reward": s.reward,
                                         "finish_reason": s.finish_reason, "loss_mask": _listed(s.loss_mask),
                                         "extra": s.extra}) + "\n")
-        if self.ps.get_tensor_model_parallel_rank() == 0 and self.ps.is_pipeline_first_stage(ignore_virtual=True):
+        if self.pg.tp.rank() == 0 and self.pg.pp.rank() == 0:
             with open(os.path.join(folder, f"step_{step:06d}.dp{self.dp_rank}.train.jsonl"), "w") as f:
                 for row, (index, n) in enumerate(zip(rb.sample_index, rb.samples.seq_lens.tolist())):
                     f.write(json.dumps({"sample": index, "input_ids": rb.batch.input_ids[row, :n].tolist(),
@@ -346,7 +346,8 @@ class RLTrainer:
         """Log-probs [b, s] on every stage (zeros off the last); entropy=True: (log-probs, entropies)."""
         out = compute_log_probs(model, rb.batch, rb.num_microbatches, self.bridge.vocab_size,
                                 temperature=self.cfg.algorithm.temperature, entropy=entropy,
-                                fused=self.cfg.algorithm.fused_logprobs, pack=self.cfg.algorithm.pack_sequences)
+                                fused=self.cfg.algorithm.fused_logprobs, pack=self.cfg.algorithm.pack_sequences,
+                                pg=self.pg)
         if not entropy:
             return _on_every_stage(out, rb.batch.loss_mask)
         return tuple(self._from_last_stage(x, rb.batch.loss_mask) for x in (out if out is not None else (None, None)))
@@ -354,7 +355,7 @@ class RLTrainer:
     def _from_last_stage(self, values: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
         """The last pipeline stage's per-token values on every stage: token selections (loss_phases) must agree on
         all ranks of a DP replica."""
-        pp = self.ps.get_pipeline_model_parallel_group()
+        pp = self.pg.pp
         out = values.contiguous() if values is not None else torch.zeros_like(like)
         if dist.get_world_size(pp) > 1:
             dist.broadcast(out, src=dist.get_global_rank(pp, dist.get_world_size(pp) - 1), group=pp)
@@ -362,12 +363,12 @@ class RLTrainer:
 
     def _prepare(self, batch):
         cfg = self.cfg.algorithm
-        return prepare_global_batch(batch, cfg.aggregation, cfg.norm_length, self.ps.get_data_parallel_group())
+        return prepare_global_batch(batch, cfg.aggregation, cfg.norm_length, self.pg.dp, seq_multiple=self.pg.tp.size())
 
     def _entropy_dynamics(self, entropy: torch.Tensor, mask: torch.Tensor) -> dict:
         """RL dynamics: the old policy's mean entropy over the top 20% highest-entropy response tokens of the global
         batch and over the other 80% (threshold over all DP ranks; summed over the ranks that hold results)."""
-        sums = entropy_split(entropy, mask, 0.2, self.ps.get_data_parallel_group()) * holds_results()
+        sums = entropy_split(entropy, mask, 0.2, self.pg.dp) * holds_results(self.pg)
         dist.all_reduce(sums)
         return {"dynamics/entropy_top20": float(sums[0] / sums[1].clamp(min=1)),
                 "dynamics/entropy_rest80": float(sums[2] / sums[3].clamp(min=1))}
@@ -375,7 +376,7 @@ class RLTrainer:
     def _mismatch(self, batch) -> dict:
         """Trainer vs engine on the same tokens before any update: |old log-prob - rollout log-prob| over the global
         batch (only the last pipeline stage's TP-rank-0 ranks hold log-probs; the others add zeros)."""
-        holder = holds_results()
+        holder = holds_results(self.pg)
         diff = (batch.old_log_probs - batch.rollout_log_probs).abs() * batch.loss_mask
         sums = torch.stack([diff.sum(), batch.loss_mask.sum()]).double() * holder
         peak = diff.max().double().reshape(1) * holder if diff.numel() else torch.zeros(1, dtype=torch.float64)
@@ -414,7 +415,7 @@ class RLTrainer:
                                       mask=batch.loss_mask[:real], kl=kl, kl_coef=cfg.kl_coef, gamma=cfg.gamma,
                                       lam=cfg.lam, reward_weights=cfg.reward_weights, values=values,
                                       std_normalize=cfg.std_normalize, whiten_advantages=cfg.whiten_advantages,
-                                      group=self.ps.get_data_parallel_group(), baseline=rb.samples.baseline)
+                                      group=self.pg.dp, baseline=rb.samples.baseline)
         advantages[:real], returns[:real] = adv, ret
         return advantages, returns
 
@@ -465,14 +466,14 @@ class RLTrainer:
                                             [len(p) for p, _, _ in mine], mask.shape[1])  # tool outputs: not sampled
         batch = TokenBatch(input_ids=ids, targets=targets, loss_mask=mask)
         args = dict(vocab_size=self.bridge.vocab_size, temperature=cfg.algorithm.temperature,
-                    fused=cfg.algorithm.fused_logprobs)
+                    fused=cfg.algorithm.fused_logprobs, pack=cfg.algorithm.pack_sequences, pg=self.pg)
         policy = compute_log_probs(self.policy.model, batch, 1, **args)
         self._place_ref("cuda")
         try:
             initial = compute_log_probs(self.ref, batch, 1, **args)
         finally:
             self._place_ref("cpu")
-        sums = kl_sums(policy, initial, mask) if holds_results() else torch.zeros(3, dtype=torch.float64)
+        sums = kl_sums(policy, initial, mask) if holds_results(self.pg) else torch.zeros(3, dtype=torch.float64)
         dist.all_reduce(sums)
         return {"eval/kl_to_initial": float(sums[0] / sums[2].clamp(min=1)),
                 "eval/kl_to_initial_k1": float(sums[1] / sums[2].clamp(min=1))}

@@ -33,14 +33,15 @@ def init_parallel(cfg, model_path: str):
     return folder
 
 
-def wrap_ddp(chunks: list, distributed_optimizer: bool = False) -> list:
-    """Megatron DDP around each chunk, with the config hooks the schedules call (grad sync, finalize)."""
+def wrap_ddp(chunks: list, distributed_optimizer: bool = False, pg=None) -> list:
+    """Megatron DDP around each chunk, with the config hooks the schedules call (grad sync, finalize); pg:
+    megatron-core's ProcessGroupCollection (None: megatron's parallel_state groups)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                use_distributed_optimizer=distributed_optimizer)
-    wrapped = [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c,
-                                       disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+    wrapped = [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0,
+                                       pg_collection=pg) for i, c in enumerate(chunks)]
     config = chunks[0].config
     config.no_sync_func = [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
@@ -50,7 +51,12 @@ def wrap_ddp(chunks: list, distributed_optimizer: bool = False) -> list:
 def make_optimizer(model: list, lr: float, min_lr: float, warmup_steps: int, decay_style: str, total_steps: int,
                    weight_decay: float = 0.0, betas=(0.9, 0.999), clip_grad: float = 1.0,
                    distributed: bool = False):
-    """megatron-core Adam (optionally the distributed optimizer) and its OptimizerParamScheduler."""
+    """megatron-core Adam (optionally the distributed optimizer) and its OptimizerParamScheduler.
+
+    The optimizer takes megatron's parallel_state groups, not an explicit ProcessGroupCollection: megatron-core 0.19.2's
+    get_megatron_optimizer(pg_collection=...) refuses the gloo groups its distributed optimizer uses for CPU-side
+    state (process_groups_config.py, setup_process_groups_for_optimizer), and megarl's layout is parallel_state's
+    (megarl.parallel.initialize builds both from the same call)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -105,17 +111,18 @@ def moe_config_overrides(cfg, folder) -> dict:
 
 
 def build_policy(folder, optim, total_steps: int, load: str | None = None,
-                 config_overrides: dict | None = None) -> Policy:
-    """Sharded policy with the HF weights (or a megarl checkpoint's model weights when `load` is set)."""
+                 config_overrides: dict | None = None, pg=None) -> Policy:
+    """Sharded policy with the HF weights (or a megarl checkpoint's model weights when `load` is set), on the layout
+    of pg (megatron-core's ProcessGroupCollection; None: megatron's parallel_state groups)."""
     from ..models.checkpoint import load_model_checkpoint
 
-    bridge = ModelBridge(folder, config_overrides=config_overrides)
+    bridge = ModelBridge(folder, config_overrides=config_overrides, pg=pg)
     chunks = bridge.build()
     if load:
         load_model_checkpoint(chunks, resolve_checkpoint(load))
     else:
         bridge.load_hf_weights(chunks)
-    model = wrap_ddp(chunks, optim.distributed_optimizer)
+    model = wrap_ddp(chunks, optim.distributed_optimizer, pg=bridge.pg)
     optimizer, scheduler = make_optimizer(
         model, optim.lr, optim.min_lr, optim.warmup_steps, optim.decay_style, total_steps,
         weight_decay=optim.weight_decay, betas=(optim.adam_beta1, optim.adam_beta2), clip_grad=optim.clip_grad,
@@ -128,7 +135,7 @@ def build_critic(bridge: ModelBridge, policy_chunks: list, optim, lr: float, tot
     wrapper, optimizer and schedule."""
     chunks = bridge.build(value_head=True)
     _copy_weights(policy_chunks, chunks, skip=("output_layer",))
-    model = wrap_ddp(chunks, optim.distributed_optimizer)
+    model = wrap_ddp(chunks, optim.distributed_optimizer, pg=bridge.pg)
     optimizer, scheduler = make_optimizer(
         model, lr, 0.0, optim.warmup_steps, "constant", total_steps, weight_decay=optim.weight_decay,
         betas=(optim.adam_beta1, optim.adam_beta2), clip_grad=optim.clip_grad, distributed=optim.distributed_optimizer)

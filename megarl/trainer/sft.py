@@ -49,14 +49,14 @@ def run_sft(cfg) -> dict:
     rank = dist.get_rank()
     model_path = prepare_model_folder(cfg)
     folder = init_parallel(cfg, model_path)
-    from megatron.core import parallel_state as ps
+    pg = parallel.groups().mcore  # megatron-core's ProcessGroupCollection, passed to every step below
 
     tok = ChatTokenizer.from_pretrained(model_path)
     samples = load_sft_samples(s.data, tok, cfg.data, tools=prompt_tools(cfg))[: s.max_samples]
     optim = type(cfg.optim)(**{**to_dict(cfg.optim), "lr": s.lr, "min_lr": s.min_lr, "weight_decay": s.weight_decay,
                                "warmup_steps": s.warmup_steps, "decay_style": s.decay_style})
     load = None if cfg.model.load == "sft" else resolve_load(cfg)  # "sft" is what this run produces
-    policy = build_policy(folder, optim, s.steps, load=load)
+    policy = build_policy(folder, optim, s.steps, load=load, pg=pg)
     out_dir = sft_dir(cfg)
     ckpt_root = os.path.join(out_dir, "checkpoints")
     step, state = 0, {}
@@ -68,7 +68,7 @@ def run_sft(cfg) -> dict:
                      progress=cfg.logging.progress, filename="sft_metrics.jsonl") if rank == 0 else None
     if log is not None:
         log.truncate_after(step)
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    dp_rank, dp_size = pg.dp.rank(), pg.dp.size()
     per_epoch = max(1, len(samples) // s.batch_size)
     while step < s.steps:
         step += 1
@@ -77,12 +77,12 @@ def run_sft(cfg) -> dict:
         order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
         chosen = [samples[i] for i in order[index * s.batch_size:(index + 1) * s.batch_size]]
         rows = pack_samples(chosen, s.max_seq_len, s.pack)
-        batch, num_mb = sft_batch(rows, dp_rank, dp_size, tok.pad_id, ps.get_tensor_model_parallel_world_size(),
+        batch, num_mb = sft_batch(rows, dp_rank, dp_size, tok.pad_id, pg.tp.size(),
                                   s.max_tokens_per_microbatch)
         with timer("train"):
-            batch = prepare_global_batch(batch, "token-mean", dp_group=ps.get_data_parallel_group())
+            batch = prepare_global_batch(batch, "token-mean", dp_group=pg.dp, seq_multiple=pg.tp.size())
             metrics = train_step(policy.model, policy.optimizer, batch, num_mb, None, policy.bridge.vocab_size,
-                                 objective="sft", pack=cfg.algorithm.pack_sequences)
+                                 objective="sft", pack=cfg.algorithm.pack_sequences, pg=pg)
             policy.scheduler.step(1)
         metrics.update(timer.take(), **{"sft/rows": len(rows), "sft/samples": len(chosen)})
         if log is not None:
