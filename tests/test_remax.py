@@ -54,12 +54,9 @@ def test_baseline_travels_with_its_sample_through_the_packed_rollout():
 
 
 # ----------------------------------------------------------------------------------------- with a real engine
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from megarl.testing.engines import tiny_engine
-
-    with tiny_engine("qwen2", str(tmp_path_factory.mktemp("remax-engine"))) as server:
-        yield server
+@pytest.fixture
+def engine(tiny_qwen2_engine):
+    return tiny_qwen2_engine  # the session's tiny Qwen2 server (megarl.testing.fixtures)
 
 
 def test_greedy_baseline_is_the_reward_of_the_engines_temperature_0_completion(engine, tmp_path):

@@ -23,10 +23,13 @@ register_advantage = registrar(ADVANTAGE_ESTIMATORS)
 # advantage is 0 (or, for rloo, undefined). TrainConfig.validate checks rollout.n_samples against this.
 NEEDS_GROUPS = {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo", "maxrl", "opo", "gpg", "grpo_passk"}
 # Estimators that honour algorithm.std_normalize (divide by the group's reward std).
-STD_NORMALIZED = {"grpo", "grpo_passk", "gdpo"}
+STD_NORMALIZED = {"grpo", "grpo_passk", "gdpo", "opd"}  # opd: in its task-reward mix
 # Estimators whose baseline is the reward of one greedy (temperature 0) rollout of the same prompt: the rollout asks
 # the engine for it (not trained on), scores it with the same reward and hands it in as `baseline` per sample.
 GREEDY_BASELINE = {"remax"}
+# Estimators that need a teacher's log-probs of the sampled tokens (the `teacher:` config section): the rollout asks the
+# teacher engine for them and they travel with each sample (PackedRollout.teacher_log_probs).
+NEEDS_TEACHER = {"opd"}
 
 
 def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor):
@@ -256,6 +259,28 @@ def remax(*, scores: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor | 
     if baseline is None or baseline.shape != scores.shape:
         raise ValueError("remax needs `baseline`, the reward of each sample's greedy rollout, shaped like scores")
     return _broadcast(scores - baseline.to(scores.dtype), mask), _broadcast(scores, mask)
+
+
+@register_advantage("opd")
+def opd(*, teacher_log_probs: torch.Tensor, student_log_probs: torch.Tensor, mask: torch.Tensor,
+        scores: torch.Tensor | None = None, group_ids: torch.Tensor | None = None, opd_reward_weight: float = 0.0,
+        eps: float = 1e-6, std_normalize: bool = True, **_):
+    """On-policy distillation (Thinking Machines' "On-Policy Distillation"; slime / verl's OPD): the per-token
+    reverse-KL advantage A_t = log pi_teacher(y_t | y_<t) - log pi_student(y_t | y_<t) of each token the student
+    sampled, so the policy gradient minimises the sampled reverse KL(student || teacher) token by token (no discount,
+    no baseline). student_log_probs are the policy's old log-probs (the trainer's recompute pass; the engine's rollout
+    log-probs with rollout.old_log_probs=rollout): the policy the tokens were sampled from, which the ratio's anchor
+    also is. opd_reward_weight w > 0 adds w x the task reward's GRPO advantage (group-normalised score, the same for
+    every token of a sample). Returns (advantages, the per-token teacher - student log-ratio)."""
+    if teacher_log_probs is None or teacher_log_probs.shape != mask.shape:
+        raise ValueError("opd needs `teacher_log_probs` [b, s] (the teacher's log-probs of the sampled tokens), "
+                         "shaped like mask: set the teacher: section")
+    log_ratio = (teacher_log_probs - student_log_probs) * mask
+    advantages = log_ratio
+    if opd_reward_weight:
+        advantages = advantages + opd_reward_weight * grpo(scores=scores, group_ids=group_ids, mask=mask, eps=eps,
+                                                           std_normalize=std_normalize)[0]
+    return advantages, log_ratio
 
 
 def compute_advantages(name: str, **inputs):

@@ -62,6 +62,9 @@ class AlgorithmConfig:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002  # kl_cov: fraction of response tokens (largest Cov) that get the KL penalty
     kl_cov_coef: float = 1.0  # kl_cov: the penalty kl_cov_coef * |log(pi / pi_old)|
+    # opd (on-policy distillation from the teacher: section): A_t = teacher log-prob - student log-prob per token,
+    # plus opd_reward_weight x the task reward's GRPO advantage (0: pure distillation; > 0 needs rollout.n_samples >= 2)
+    opd_reward_weight: float = 0.0
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     # Log-probs and entropy straight from the final hidden states and the output weight, chunked over tokens: the
     # [tokens, vocab/tp] logits and their gradient never exist (megarl/losses/fused_linear.py). Same values and
@@ -140,6 +143,10 @@ class AlgorithmConfig:
         if not 0 <= self.adv_reweight_alpha <= 1:
             raise AlgorithmConfigError(f"algorithm.adv_reweight_alpha={self.adv_reweight_alpha} must be in [0, 1] "
                                        "(the weight alpha * p_t + 1 - alpha must stay positive). Fix: e.g. 0.3.")
+        if self.opd_reward_weight < 0 or (self.opd_reward_weight and self.advantage_estimator != "opd"):
+            raise AlgorithmConfigError(f"algorithm.opd_reward_weight={self.opd_reward_weight} must be >= 0 and is only "
+                                       "used by advantage_estimator=opd. Fix: opd_reward_weight: 0 (or e.g. 0.5 with "
+                                       "opd).")
         self._validate_token_selection()
         return self
 

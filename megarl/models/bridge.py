@@ -393,6 +393,12 @@ class ModelBridge:
                     src = os.path.join(self.hf.path, name)
                     if os.path.isfile(src):
                         shutil.copy2(src, os.path.join(tmp_dir, name))
+            if self.hf.fp8_block:  # an FP8 checkpoint was loaded dequantised: the export holds unquantised weights
+                with open(os.path.join(tmp_dir, "config.json")) as f:
+                    hf_config = json.load(f)
+                hf_config.pop("quantization_config", None)
+                with open(os.path.join(tmp_dir, "config.json"), "w") as f:
+                    json.dump(hf_config, f, indent=2)
             publish_dir(tmp_dir, out_dir)
         dist.barrier()
 

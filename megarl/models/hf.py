@@ -35,6 +35,9 @@ class HFModelFolder:
     path: str
     config: "object"  # transformers.PretrainedConfig
     weight_files: dict[str, str]  # HF tensor name -> safetensors file path
+    # Block-quantised FP8 checkpoints (DeepSeek-V3/R1, Kimi-K2): the (rows, columns) of one weight_scale_inv block;
+    # None for an unquantised folder. See `dequantize_fp8_blockwise`.
+    fp8_block: tuple[int, int] | None = None
 
     @property
     def model_type(self) -> str:
@@ -54,7 +57,8 @@ class HFModelFolder:
         return model_shape(self.config.to_dict())
 
     def read(self, names: Iterable[str]) -> list[torch.Tensor]:
-        """Load the named tensors (only those) from the safetensors files."""
+        """Load the named tensors (only those) from the safetensors files. In an FP8 folder, a weight stored as
+        float8_e4m3fn is returned dequantised (float32) with its `<name>_scale_inv`, which is read along with it."""
         from safetensors import safe_open
 
         names = list(names)
@@ -62,15 +66,65 @@ class HFModelFolder:
         if missing:
             raise ModelFolderError(f"{self.path}: tensor(s) {missing[:4]} are not in any *.safetensors file. "
                                    "Fix: the folder's weights do not match its config.json; re-export the model.")
+        scales = [n + _SCALE_SUFFIX for n in names if self.fp8_block and n + _SCALE_SUFFIX in self.weight_files]
         out = {}
         by_file: dict[str, list[str]] = {}
-        for n in names:
+        for n in names + scales:
             by_file.setdefault(self.weight_files[n], []).append(n)
         for file, file_names in by_file.items():
             with safe_open(file, framework="pt") as f:
                 for n in file_names:
                     out[n] = f.get_tensor(n)
+        for n in names:
+            if out[n].dtype == torch.float8_e4m3fn:
+                if n + _SCALE_SUFFIX not in out:
+                    raise ModelFolderError(f"{self.path}: {n} is float8_e4m3fn but {n}{_SCALE_SUFFIX} is missing. "
+                                           "Fix: restore the checkpoint's *.weight_scale_inv tensors.")
+                try:
+                    out[n] = dequantize_fp8_blockwise(out[n], out[n + _SCALE_SUFFIX], self.fp8_block)
+                except ValueError as e:
+                    raise ModelFolderError(f"{self.path}: {n}: {e}. Fix: set config.json quantization_config."
+                                           "weight_block_size to the block size the checkpoint was quantised with.") \
+                        from None
         return [out[n] for n in names]
+
+
+_SCALE_SUFFIX = "_scale_inv"  # "<name>.weight_scale_inv": the per-block scales of the FP8 tensor "<name>.weight"
+
+
+def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A block-quantised FP8 weight [rows, cols] in float32: every (block[0] x block[1]) block times its scale,
+    scale_inv[i, j] scaling rows i*block[0]... and columns j*block[1]... (the last blocks of each dimension may be
+    partial). The formula of DeepSeek-V3's checkpoints, transformers' Fp8Dequantize and SGLang's block_quant_dequant,
+    computed as they compute it: the FP8 value and its scale multiplied in float32. Raises ValueError when the scale
+    grid does not fit the weight and block."""
+    rows, cols = weight.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_inv.shape) != grid:
+        raise ValueError(f"a {list(weight.shape)} weight in {list(block)} blocks needs a {list(grid)} scale grid, "
+                         f"got {list(scale_inv.shape)}")
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * scale
+
+
+def _fp8_block(raw: dict, config_path: str) -> tuple[int, int] | None:
+    """config.json quantization_config -> the FP8 block size; None without one. Anything but block-wise FP8 with
+    dynamic activation scales is refused (megarl would have to read those methods' own tensors)."""
+    quant = raw.get("quantization_config")
+    if quant is None:
+        return None
+    fields = quant if isinstance(quant, dict) else {}
+    method, block = fields.get("quant_method"), fields.get("weight_block_size")
+    fix = ("Fix: use an unquantised (bf16/fp32) checkpoint, or a block-wise FP8 one (quant_method: fp8, fmt: e4m3, "
+           "weight_block_size: [128, 128], activation_scheme: dynamic, as DeepSeek-V3 / Kimi-K2 ship).")
+    if method != "fp8" or (fields.get("fmt") or "e4m3") != "e4m3" or \
+            (fields.get("activation_scheme") or "dynamic") != "dynamic":
+        raise ModelFolderError(f"{config_path}: quantization_config {quant!r} is not supported: megarl loads only "
+                               f"block-wise FP8 weights (dequantised into the trainer's dtype). {fix}")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ModelFolderError(f"{config_path}: quantization_config.weight_block_size={block!r}: megarl loads only "
+                               f"block-wise FP8 weights, which need two positive block sizes. {fix}")
+    return block[0], block[1]
 
 
 def model_shape(fields: Mapping) -> ModelShape:
@@ -151,13 +205,24 @@ def open_model_folder(path: str) -> HFModelFolder:
         raise ModelFolderError(f"{config_path}: rope type {rope_type!r} is not supported yet (only 'default'). "
                                "Fix: use a model without RoPE scaling.")
 
+    fp8_block = _fp8_block(raw, config_path)
+
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
     problem = _unsupported_variant(config)
     if problem:
         raise ModelFolderError(f"{config_path}: {problem}")
-    return HFModelFolder(path=path, config=config, weight_files=_index_weights(path))
+    weight_files = _index_weights(path)
+    orphans = [n for n in weight_files if n.endswith(_SCALE_SUFFIX) and n[: -len(_SCALE_SUFFIX)] not in weight_files]
+    if orphans and fp8_block:
+        raise ModelFolderError(f"{path}: scale tensor(s) {orphans[:4]} have no weight. Fix: the folder's weights are "
+                               "incomplete; restore them from the original checkpoint.")
+    if any(n.endswith(_SCALE_SUFFIX) for n in weight_files) and not fp8_block:
+        raise ModelFolderError(f"{config_path}: the weights hold *{_SCALE_SUFFIX} (FP8) tensors but config.json has no "
+                               "quantization_config. Fix: restore the checkpoint's quantization_config (quant_method: "
+                               "fp8, weight_block_size: [128, 128]).")
+    return HFModelFolder(path=path, config=config, weight_files=weight_files, fp8_block=fp8_block)
 
 
 def _index_weights(path: str) -> dict[str, str]:

@@ -41,8 +41,31 @@ _FUSED = {  # engine name suffix -> HF name suffixes concatenated along dim 0
     "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }
-_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# The routed experts' HF names, per family: the module holding them -> {HF projection name: its role}. Every family's
+# engine fuses the gate and up projections of a layer's experts into w13_weight and the down projections into
+# w2_weight; the roles are named as Qwen-MoE names the projections.
+_EXPERT_PROJECTIONS = {
+    "mlp": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},  # Qwen-MoE, DeepSeek-V3
+    "block_sparse_moe": {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},  # Mixtral
+}
+_EXPERT_ROLES = ("gate_proj", "up_proj", "down_proj")
+_EXPERT = re.compile(r"^(.*\.(%s)\.experts\.)(\d+)\.(\w+)\.weight$" % "|".join(map(re.escape, _EXPERT_PROJECTIONS)))
 _LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def expert_name(hf_name: str) -> tuple[str, int, str] | None:
+    """(prefix up to the expert index, expert index, role: gate_proj / up_proj / down_proj) of a routed expert's HF
+    tensor in any supported family, or None for any other tensor."""
+    match = _EXPERT.match(hf_name)
+    role = match and _EXPERT_PROJECTIONS[match.group(2)].get(match.group(4))
+    return (match.group(1), int(match.group(3)), role) if role else None
+
+
+def _expert_sources(prefix: str, count: int, roles: tuple[str, ...]) -> list[str]:
+    """The HF names of the given roles' projections of experts 0..count-1 in the prefix's family (for messages)."""
+    module = prefix[: -len(".experts.")].rsplit(".", 1)[-1]  # "model.layers.3.block_sparse_moe.experts." -> its module
+    hf = {role: proj for proj, role in _EXPERT_PROJECTIONS[module].items()}
+    return [f"{prefix}{{0..{count - 1}}}.{hf[role]}.weight" for role in roles]
 
 
 class WeightMismatchError(UserError, RuntimeError):
@@ -89,7 +112,8 @@ def engine_shapes(hf_config, tp: int, cpu: bool) -> EngineShapes:
         sizes = {name: (_round_up(v, 32 * tp) if v and v % (32 * tp) else v) for name, v in sizes.items()}
     padding = 64 if _round_up(hf_config.vocab_size, 64) % tp == 0 else 64 * tp
     return EngineShapes(tp=tp, head_dim=head_dim, heads=heads, kv_heads=kv, intermediate=sizes["intermediate_size"],
-                        moe_intermediate=sizes["moe_intermediate_size"],
+                        # Mixtral has no moe_intermediate_size: its experts are intermediate_size wide
+                        moe_intermediate=sizes["moe_intermediate_size"] or sizes["intermediate_size"],
                         shared_expert_intermediate=sizes["shared_expert_intermediate_size"],
                         vocab=_round_up(hf_config.vocab_size, padding))
 
@@ -170,7 +194,7 @@ def engine_layout(named_tensors, dtype: torch.dtype, shapes: EngineShapes, ranks
     ranks = range(shapes.tp) if ranks is None else ranks
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named_tensors:
-        if _EXPERT.match(name):
+        if expert_name(name):
             continue
         fused = next(((eng, parts) for eng, parts in _FUSED.items() if name.endswith(tuple(parts))), None)
         if fused is None:
@@ -253,9 +277,9 @@ def verify_checksums(bridge, chunks, client: EngineClient | None, dtype: torch.d
 def _collect_experts(stream, experts: dict):
     """Pass the non-expert tensors on; keep this rank's expert tensors (live views where no gather was needed)."""
     for name, tensor in stream:
-        match = _EXPERT.match(name)
-        if match:
-            experts[(match.group(1), int(match.group(2)), match.group(3))] = tensor
+        key = expert_name(name)
+        if key:
+            experts[key] = tensor
         else:
             yield name, tensor
 
@@ -280,7 +304,7 @@ def _expert_checksums(experts: dict, shapes: EngineShapes, dtype: torch.dtype, g
                 continue
             for r in range(shapes.tp):
                 if me == src:
-                    pieces = expert_pieces(*(experts[(prefix, e, p)] for p in ("gate_proj", "up_proj", "down_proj")),
+                    pieces = expert_pieces(*(experts[(prefix, e, p)] for p in _EXPERT_ROLES),
                                            f"{prefix}{e}.", shapes, r, dtype)
                     if src != hasher:
                         for piece in pieces:
@@ -297,8 +321,8 @@ def _expert_checksums(experts: dict, shapes: EngineShapes, dtype: torch.dtype, g
                 digests[(r, "w13")].update(pieces[0])
                 digests[(r, "w2")].update(pieces[1])
         if me == hasher:
-            sources = {w: [f"{prefix}{{0..{count - 1}}}.{p}.weight" for p in parts]
-                       for w, parts in (("w13", ("gate_proj", "up_proj")), ("w2", ("down_proj",)))}
+            sources = {w: _expert_sources(prefix, count, roles)
+                       for w, roles in (("w13", ("gate_proj", "up_proj")), ("w2", ("down_proj",)))}
             for (r, w), digest in digests.items():
                 out[(r, f"{prefix}{w}_weight")] = (digest.hexdigest(), sources[w])
     return out

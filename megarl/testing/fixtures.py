@@ -15,3 +15,14 @@ def tiny_model():
 def tiny_model_any_family(request):
     """Path of a tiny model, once per supported family."""
     return tiny_model_dir(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_engine(tmp_path_factory):
+    """One real SGLang server of the default tiny Qwen2 (tiny_model_dir("qwen2")) for the whole session, shared by
+    the tests that only generate from it or read its log-probs (a server start costs ~25 s on CPU). Tests that change
+    its weights or kill it start their own."""
+    from .engines import tiny_engine
+
+    with tiny_engine("qwen2", str(tmp_path_factory.mktemp("tiny-qwen2-engine"))) as server:
+        yield server

@@ -37,6 +37,7 @@ class Sample:
     trained: bool = True  # False: kept for metrics, no loss (overlong masking)
     loss_mask: list[int] | np.ndarray | None = None  # per response token (multi-turn: 0 on observations); None: all
     routed_experts: torch.Tensor | list[int] | None = None  # the engine's MoE routing, flat [positions, layers, top-k]
+    teacher_log_probs: list[float] | np.ndarray | None = None  # opd: the teacher's log-prob of each response token
     extra: dict = field(default_factory=dict)
 
 
@@ -73,14 +74,16 @@ class PackedRollout:
     group: torch.Tensor  # [n] int64, the prompt group within the step
     sample_index: torch.Tensor  # [n] int64, the sample's index in the step's sample list
     routed_experts: torch.Tensor | None = None  # [sum(seq_lens - 1) * layers * top-k], uint8 / int16 / int32
+    teacher_log_probs: torch.Tensor | None = None  # [R] float32, one per response token (opd's teacher), or None
 
     @classmethod
-    def from_samples(cls, samples: list[Sample], routing: bool = True,
-                     group_size: int | None = None) -> "PackedRollout":
+    def from_samples(cls, samples: list[Sample], routing: bool = True, group_size: int | None = None,
+                     teacher: bool | None = None) -> "PackedRollout":
         """Pack `samples`. sample_index: with group_size, the step-wide index group * group_size + j (j: the sample's
         place among this list's samples of its group), else the position in the list. routing=False leaves the MoE
         routing out. The samples' ids / log-probs / masks may be numpy arrays (the rollout makes them as each chunk
-        returns: packing is then a concatenation) or lists."""
+        returns: packing is then a concatenation) or lists. teacher: pack the teacher log-probs (None: when the
+        samples carry them)."""
         def flat(parts, dtype):
             return torch.from_numpy(np.concatenate([np.asarray(p, dtype=dtype) for p in parts] or
                                                    [np.zeros(0, dtype=dtype)]))
@@ -96,6 +99,13 @@ class PackedRollout:
             raise ValueError(f"sample {bad}: {counts[bad]} rollout log-probs for {int(response_lens[bad])} response "
                              "tokens: the engine must return one log-prob per output token")
         log_probs = flat((s.rollout_log_probs for s in samples), np.float32)
+        if teacher is None:
+            teacher = bool(samples) and samples[0].teacher_log_probs is not None
+        teacher_lp = None
+        if teacher:
+            if any(s.teacher_log_probs is None or len(s.teacher_log_probs) != len(s.response_ids) for s in samples):
+                raise ValueError("every sample needs one teacher log-prob per response token")
+            teacher_lp = flat((s.teacher_log_probs for s in samples), np.float32)
         routed = None
         if routing and (not samples or samples[0].routed_experts is not None):
             entries = torch.cat([torch.as_tensor(s.routed_experts).reshape(-1) for s in samples]) if samples \
@@ -114,7 +124,8 @@ class PackedRollout:
                    score=torch.tensor([s.score for s in samples], dtype=torch.float32),
                    baseline=torch.tensor([s.baseline for s in samples], dtype=torch.float32),
                    group=torch.tensor([s.group for s in samples], dtype=torch.long),
-                   sample_index=torch.tensor(index, dtype=torch.long), routed_experts=routed)
+                   sample_index=torch.tensor(index, dtype=torch.long), routed_experts=routed,
+                   teacher_log_probs=teacher_lp)
 
     @classmethod
     def cat(cls, parts: list["PackedRollout"]) -> "PackedRollout":
@@ -147,6 +158,8 @@ class PackedRollout:
                    tokens=self.tokens[_ranges(_offsets(self.seq_lens)[index], seq)])
         response_at = _ranges(_offsets(self.response_lens)[index], resp)
         out.update(rollout_log_probs=self.rollout_log_probs[response_at], loss_mask=self.loss_mask[response_at])
+        if self.teacher_log_probs is not None:
+            out["teacher_log_probs"] = self.teacher_log_probs[response_at]
         if self.routed_experts is not None:  # gathered by position rows ([positions, layers * top-k]), not entries
             positions = int((self.seq_lens - 1).sum())
             rows = self.routed_experts.view(positions, -1) if positions else self.routed_experts.view(0, 0)
@@ -165,19 +178,24 @@ class PackedRollout:
             raise ValueError(f"a sample of {int(self.seq_lens.max())} tokens does not fit seq_len={seq_len}")
         if n and int(self.prompt_lens.min()) < 1:
             raise ValueError("a sample has an empty prompt (the first response token needs a token to predict it)")
-        sample = torch.arange(n)
         input_ids = torch.full((rows, seq_len), pad_id, dtype=torch.long)
-        row = torch.repeat_interleave(sample, self.seq_lens)
+        row = torch.repeat_interleave(torch.arange(n), self.seq_lens)
         input_ids[row, _ranges(torch.zeros_like(self.seq_lens), self.seq_lens)] = self.tokens.long()
         targets = torch.cat([input_ids[:, 1:], torch.full((rows, 1), pad_id, dtype=torch.long)], dim=1)
-        resp = self.response_lens
-        row = torch.repeat_interleave(sample, resp)
-        col = _ranges(self.prompt_lens - 1, resp)
-        mask, rollout = torch.zeros(rows, seq_len), torch.zeros(rows, seq_len)
-        mask[row, col] = self.loss_mask.float()
-        rollout[row, col] = self.rollout_log_probs * self.loss_mask
+        mask = self.per_token(self.loss_mask.float(), rows, seq_len)
+        rollout = self.per_token(self.rollout_log_probs, rows, seq_len)
         return TokenBatch(input_ids=input_ids, targets=targets, loss_mask=mask, rollout_log_probs=rollout,
                           routed_experts=self._routing(rows, seq_len, routing_shape) if routing_shape else None)
+
+    def per_token(self, values: torch.Tensor, rows: int, seq_len: int) -> torch.Tensor:
+        """[rows, seq_len] float32: the per-response-token `values` ([R], e.g. rollout or teacher log-probs) where the
+        token batch predicts them (response token j of sample i at position prompt_len + j - 1), times the loss mask;
+        0 elsewhere."""
+        resp = self.response_lens
+        row = torch.repeat_interleave(torch.arange(self.num_samples), resp)
+        out = torch.zeros(rows, seq_len)
+        out[row, _ranges(self.prompt_lens - 1, resp)] = values.float() * self.loss_mask
+        return out
 
     def _routing(self, rows: int, seq_len: int, shape: tuple[int, int]) -> torch.Tensor | None:
         """[rows, seq_len, layers, top-k] in the routing's compact integer type (the replay widens one layer at a

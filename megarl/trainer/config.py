@@ -139,6 +139,22 @@ class RolloutConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """On-policy distillation's teacher (algorithm.advantage_estimator: opd): a model with the policy's tokenizer (any
+    size) whose log-probs of the sampled tokens the rollout asks for (prefill only). Either `model` (the trainer starts
+    one SGLang server for it, like the policy's engines, and never syncs weights into it) or `urls` (running SGLang
+    servers of the teacher)."""
+    model: Optional[str] = None  # a local HF folder; its tokenizer must equal the policy's
+    urls: list = field(default_factory=list)
+    tp_size: int = 1  # the teacher engine's tensor-parallel size (teacher.model)
+    dtype: Optional[str] = None  # the teacher engine's weights: None = float32 on CPU, bfloat16 on GPU
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.model or self.urls)
+
+
+@dataclass
 class EnvConfig:
     """Multi-turn rollouts (megarl.envs). name=None: one model turn per sample (single-turn RL)."""
     name: Optional[str] = None  # tool: the model calls tools (env.tools) until it answers without a tool call
@@ -267,6 +283,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -337,6 +354,7 @@ class TrainConfig:
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         self._validate_dpo()
+        self._validate_teacher()
         if not 0.0 <= self.data.synthetic.sft_tool_share <= 1.0:
             raise ConfigError(f"data.synthetic.sft_tool_share={self.data.synthetic.sft_tool_share} must be in [0, 1]")
         if self.algorithm.temperature != self.rollout.temperature:
@@ -376,6 +394,29 @@ class TrainConfig:
         if d.label_smoothing and d.loss_type != "dpo":
             raise ConfigError(f"dpo.label_smoothing={d.label_smoothing} applies to dpo.loss_type=dpo only (IPO has "
                               "no labels to smooth). Fix: dpo.label_smoothing=0, or dpo.loss_type=dpo")
+
+    def _validate_teacher(self) -> None:
+        from ..algorithms.advantages import NEEDS_TEACHER
+
+        t, estimator = self.teacher, self.algorithm.advantage_estimator
+        if t.model and t.urls:
+            raise ConfigError("teacher.model and teacher.urls are both set. Fix: set teacher.model (the trainer starts "
+                              "the teacher engine) or teacher.urls (running teacher engines), not both")
+        if estimator in NEEDS_TEACHER and not t.enabled:
+            raise ConfigError(f"algorithm.advantage_estimator={estimator} distils from a teacher, but the teacher: "
+                              "section is empty. Fix: set teacher.model (an HF folder with the policy's tokenizer) "
+                              "or teacher.urls")
+        if t.enabled and estimator not in NEEDS_TEACHER:
+            raise ConfigError(f"teacher.{'model' if t.model else 'urls'} is set but algorithm.advantage_estimator="
+                              f"{estimator} does not use a teacher. Fix: advantage_estimator: opd, or unset teacher")
+        if t.tp_size < 1:
+            raise ConfigError(f"teacher.tp_size must be >= 1, got {t.tp_size}. Fix: e.g. teacher.tp_size=1")
+        if t.dtype is not None:
+            _choice("teacher.dtype", t.dtype, ("bfloat16", "float32"))
+        if estimator == "opd" and self.algorithm.opd_reward_weight and self.rollout.n_samples < 2:
+            raise ConfigError(f"algorithm.opd_reward_weight={self.algorithm.opd_reward_weight} mixes in the task "
+                              f"reward's GRPO advantage, which needs rollout.n_samples >= 2 (got "
+                              f"{self.rollout.n_samples}). Fix: rollout.n_samples: 4, or opd_reward_weight: 0")
 
     def _validate_placement(self) -> None:
         engine = self.rollout.engine

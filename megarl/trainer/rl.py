@@ -32,6 +32,7 @@ from ..reshard import TRANSPORTS, SyncConfig, TransportOptions, WeightSync
 from ..rewards import RewardPool
 from ..rollout import EngineClient, EngineRouter, SGLangServer
 from ..rollout.server import engine_server_config
+from ..rollout.teacher import Teacher, check_same_tokenizer
 from .batching import BatchPlan, PackedRollout, RankBatch
 from .dispatch import dispatch
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -70,12 +71,16 @@ class RLTrainer:
         parallel.init_distributed(parallel=cfg.parallel)  # the groups: once the model shape is known
         self.rank = dist.get_rank()
         self.model_path = prepare_model_folder(cfg)
+        if cfg.teacher.model:  # before any engine starts: a teacher with another tokenizer is refused in seconds
+            on_rank0(lambda: check_same_tokenizer(self.model_path, cfg.teacher.model))
         self.servers = self._launch_engines()
+        self.teacher_server = self._launch_teacher()
         try:
             self._build(cfg, metrics_log)
         except BaseException:  # the engines launched above do not outlive a failed set-up
-            for server in self.servers:
-                server.stop()
+            for server in self.servers + [self.teacher_server]:
+                if server is not None:
+                    server.stop()
             raise
 
     def _build(self, cfg, metrics_log: bool) -> None:
@@ -119,11 +124,16 @@ class RLTrainer:
         self.workers, self.worker_ranks = self._rollout_workers()
         on_ranks(self._start_worker, here=self.rank in self.worker_ranks)
         urls = on_rank0(self._start_rank0)
+        teacher_urls = on_rank0(self._start_teacher) if cfg.teacher.enabled else []
         self.clients = [EngineClient(server=s) for s in self.servers] if self.servers else \
             [EngineClient(url) for url in urls]
         if self.rank in self.worker_ranks:
             self.router = EngineRouter(self.clients, cfg.rollout.engine.router_policy)
-            self.rollout = Rollout(cfg, self.tok, self.router, self.rewards, tools=self._tools)
+            # opd: the teacher's engines are asked for log-probs only; they are not in self.clients, so no weight
+            # sync ever reaches them
+            teacher = Teacher([EngineClient(server=self.teacher_server) if self.teacher_server else EngineClient(u)
+                               for u in teacher_urls]) if teacher_urls else None
+            self.rollout = Rollout(cfg, self.tok, self.router, self.rewards, tools=self._tools, teacher=teacher)
         e = cfg.rollout.engine
         self.syncs = []
         for i, client in enumerate(self.clients):
@@ -185,6 +195,30 @@ class RLTrainer:
                                                   base_gpu_id=i * cfg.rollout.engine.tp_size if i else None)).launch()
                 for i in range(cfg.rollout.engine.num_engines)]
 
+    def _launch_teacher(self, now: bool = False) -> SGLangServer | None:
+        """opd with teacher.model: rank 0 launches ONE more SGLang server for the teacher, through the policy engines'
+        ServerConfig builder (its own log folder, TP size and dtype; GPUs after the policy engines'), at the same
+        moment as those (see _launch_engines)."""
+        cfg, e = self.cfg, self.cfg.rollout.engine
+        if self.rank != 0 or not cfg.teacher.model or (platform.on_gpu() and not now):
+            return None
+        from dataclasses import replace
+
+        base = engine_server_config(cfg, cfg.teacher.model, e.num_engines,
+                                    log_dir=os.path.join(cfg.run_dir, "engine", "teacher"),
+                                    base_gpu_id=e.num_engines * e.tp_size)
+        return SGLangServer(replace(base, tp_size=cfg.teacher.tp_size, dtype=cfg.teacher.dtype,
+                                    extra_args=list(e.extra_args))).launch()  # no MoE routing flag: never replayed
+
+    def _start_teacher(self) -> list[str]:
+        """Rank 0: the teacher's URLs (teacher.urls, tokenizers checked where visible; or the server this job started,
+        once it generates)."""
+        if self.cfg.teacher.urls:
+            Teacher([EngineClient(u) for u in self.cfg.teacher.urls]).check_tokenizer(self.model_path)
+            return list(self.cfg.teacher.urls)
+        self.teacher_server = self.teacher_server or self._launch_teacher(now=True)
+        return [self.teacher_server.wait_ready().url]
+
     def _resume(self) -> None:
         path = latest_checkpoint(self.ckpt_root) if self.cfg.checkpoint.resume and \
             os.path.isdir(self.ckpt_root) else None
@@ -244,6 +278,10 @@ class RLTrainer:
                                                    batch.loss_mask)
         with timer("advantages"):
             batch.advantages, batch.returns = self._advantages(rb)
+        if cfg.algorithm.advantage_estimator == "opd":  # its returns: teacher - student log-prob per token
+            sums = torch.stack([-(batch.returns * batch.loss_mask).sum(), batch.loss_mask.sum()]).double()
+            dist.all_reduce(sums, group=self.pg.dp)
+            mismatch["opd/reverse_kl"] = float(sums[0] / sums[1].clamp(min=1))  # sampled KL(student || teacher)
 
         # 5. PPO epochs x mini-batches, each one optimizer step through Megatron's schedule.
         train = []
@@ -300,7 +338,7 @@ class RLTrainer:
         cfg, n = self.cfg, self.cfg.rollout.n_samples
         self._samples, stats = self.rollout.collect(self.stream, step, self.workers)
         self._packed = PackedRollout.from_samples(self._samples, routing=self._routing_shape() is not None,
-                                                  group_size=n)
+                                                  group_size=n, teacher=cfg.teacher.enabled)
         self._plan = BatchPlan.from_workers(self._packed, cfg.rollout.prompts_per_step * n, n, self.workers.sum,
                                             self.dp_size, self.pg.tp.size(),
                                             cfg.rl.max_tokens_per_microbatch, row_multiple=cfg.rl.mini_batches)
@@ -411,11 +449,15 @@ class RLTrainer:
         if cfg.kl_in_reward and batch.ref_log_probs is not None:
             kl = kl_estimate(batch.old_log_probs[:real], batch.ref_log_probs[:real], cfg.kl_estimator)
         values = batch.old_values[:real] if batch.old_values is not None else None
+        teacher = rb.samples.teacher_log_probs  # opd: A_t = teacher - student, student = the old log-probs
+        teacher = rb.samples.per_token(teacher, *batch.loss_mask.shape)[:real] if teacher is not None else None
         adv, ret = compute_advantages(cfg.advantage_estimator, scores=scores, group_ids=groups,
                                       mask=batch.loss_mask[:real], kl=kl, kl_coef=cfg.kl_coef, gamma=cfg.gamma,
                                       lam=cfg.lam, reward_weights=cfg.reward_weights, values=values,
                                       std_normalize=cfg.std_normalize, whiten_advantages=cfg.whiten_advantages,
-                                      group=self.pg.dp, baseline=rb.samples.baseline)
+                                      group=self.pg.dp, baseline=rb.samples.baseline, teacher_log_probs=teacher,
+                                      student_log_probs=batch.old_log_probs[:real],
+                                      opd_reward_weight=cfg.opd_reward_weight)
         advantages[:real], returns[:real] = adv, ret
         return advantages, returns
 
@@ -544,5 +586,6 @@ class RLTrainer:
             self.rewards.close()
             if self.log is not None:
                 self.log.close()
-        for server in self.servers:
-            server.stop()
+        for server in self.servers + [self.teacher_server]:
+            if server is not None:
+                server.stop()

@@ -86,8 +86,9 @@ class Workers:
 
 
 class Rollout:
-    def __init__(self, cfg, tokenizer, router, rewards, tools=None):
+    def __init__(self, cfg, tokenizer, router, rewards, tools=None, teacher=None):
         self.cfg, self.tok, self.router, self.rewards, self.tools = cfg, tokenizer, router, rewards, tools
+        self.teacher = teacher  # opd: megarl.rollout.teacher.Teacher, asked for each sample's response log-probs
         self.stop_ids = sorted(set(tokenizer.stop_ids) | set(cfg.rollout.stop_token_ids))
         # the estimator's baseline is a greedy rollout of each prompt (ReMax): collect() asks the engines for it
         self.greedy_baseline = cfg.algorithm.advantage_estimator in GREEDY_BASELINE
@@ -131,8 +132,10 @@ class Rollout:
                             env.max_response_tokens, tools=self.tools, threads=self._env_threads)
 
     def generate(self, records: list[PromptRecord], n: int, seed_parts: tuple, temperature: float,
-                 max_new_tokens: int, greedy_baseline: bool = False) -> list[Sample]:
-        """n samples per record, rewarded; sample order = record order, then sample index. greedy_baseline (ReMax):
+                 max_new_tokens: int, greedy_baseline: bool = False, teacher: bool = False) -> list[Sample]:
+        """n samples per record, rewarded; sample order = record order, then sample index. teacher (opd): each chunk's
+        responses are sent to the teacher engine (one prefill request) as soon as the chunk returns, in the chunk's
+        thread, while later chunks still generate and the reward pool scores; greedy_baseline (ReMax):
         also one temperature-0 rollout per record, requested alongside the samples, scored by the same reward and
         shaping, and not returned (never trained): its score becomes the `baseline` of the record's samples."""
         requests = [(g, r, j) for g, r in enumerate(records) for j in range(n)]
@@ -147,7 +150,11 @@ class Rollout:
             piece, temp = item
             episodes = self._episodes(piece, seed_parts, temp, max_new_tokens)
             texts = [(e.final_text, r.answer) for e, (_, r, _) in zip(episodes, piece)]
-            return episodes, self.rewards.submit(texts)
+            scored = self.rewards.submit(texts)
+            taught = self.teacher.response_log_probs([e.prompt_ids for e in episodes],
+                                                     [e.response_ids for e in episodes]) \
+                if teacher and temp > 0 else [None] * len(episodes)  # never for the untrained greedy rollouts
+            return episodes, (scored, taught)
 
         samples, baselines = [], []
         results = self._threads.map(run, pieces)
@@ -159,9 +166,9 @@ class Rollout:
         prompts: dict[int, np.ndarray] = {}
         # Each chunk's token ids and log-probs become arrays as it returns, while later chunks still generate: the
         # step's data is then packed by concatenation (megarl.trainer.batching.PackedRollout), not from lists.
-        for (piece, _), (episodes, scored) in zip(pieces, results):
+        for (piece, _), (episodes, (scored, taught)) in zip(pieces, results):
             rewards = self.rewards.result(scored, len(piece))
-            for (g, r, j), e, reward in zip(piece, episodes, rewards):
+            for (g, r, j), e, reward, teacher_lp in zip(piece, episodes, rewards, taught):
                 reward += e.env_reward
                 if r.index not in prompts:  # one array per prompt, shared by its samples
                     prompts[r.index] = np.asarray(r.prompt_ids, dtype=np.int32)
@@ -171,7 +178,7 @@ class Rollout:
                     rollout_log_probs=np.asarray(e.log_probs, dtype=np.float32),
                     finish_reason=e.finish_reason, reward=reward, score=reward,
                     loss_mask=np.asarray(e.loss_mask, dtype=np.uint8) if multi_turn else None,
-                    routed_experts=e.routed_experts,
+                    routed_experts=e.routed_experts, teacher_log_probs=teacher_lp,
                     extra={"weight_version": e.weight_version, "turns": e.turns, "final_text": e.final_text,
                            **e.info}))
         if greedy_baseline:
@@ -193,7 +200,8 @@ class Rollout:
             failure, samples = None, []
             try:
                 samples = self.generate([records[p] for p in mine], n, (self.cfg.seed, step, rounds),
-                                        ro.temperature, ro.max_new_tokens, greedy_baseline=self.greedy_baseline)
+                                        ro.temperature, ro.max_new_tokens, greedy_baseline=self.greedy_baseline,
+                                        teacher=self.teacher is not None)
             except UserError as e:  # the other workers must not wait for this one's round forever
                 failure = e
             rounds += 1

@@ -1,0 +1,238 @@
+"""On-policy distillation (algorithm.advantage_estimator: opd): A_t = teacher log-prob - student log-prob per sampled
+token (+ opd_reward_weight x the task reward's GRPO advantage). The estimator against a naive per-token reference; the
+config's one-line errors; the teacher log-probs carried per response token through the packed rollout and the dispatch's
+receive buffers; a teacher with another tokenizer refused. With a real SGLang server on CPU serving the teacher (a tiny
+model with the policy's tokenizer and other weights): the rollout's teacher log-probs equal transformers' log-probs of
+the same tokens, and the advantages of the trainer's advantage step, on the DP ranks the dispatch sends the samples to,
+equal teacher - student computed independently with transformers."""
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from megarl.algorithms import compute_advantages
+from megarl.algorithms.advantages import NEEDS_GROUPS, NEEDS_TEACHER
+from megarl.errors import UserError
+from megarl.testing import run_ranks, tiny_model_dir
+from megarl.trainer.batching import PackedRollout, Sample
+from megarl.trainer.dispatch import Shape
+
+
+def text_checksum(response: str, answer, **_) -> float:
+    """A reward that changes with any character of the response (a random model's texts all score differently)."""
+    return (sum(map(ord, response)) % 997) / 997
+
+
+def _naive_opd(teacher, student, mask, scores, groups, weight):
+    adv = torch.zeros_like(mask)
+    for i in range(mask.shape[0]):
+        peers = [scores[k] for k in range(len(scores)) if groups[k] == groups[i]]
+        mean = sum(peers) / len(peers)
+        std = (sum((p - mean) ** 2 for p in peers) / max(len(peers) - 1, 1)) ** 0.5
+        for t in range(mask.shape[1]):
+            if mask[i, t]:
+                adv[i, t] = teacher[i, t] - student[i, t] + weight * (scores[i] - mean) / (std + 1e-6)
+    return adv
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.5])
+def test_opd_matches_naive_reference(weight):
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(6, 7, generator=g) > 0.3).float()
+    teacher, student = -3 * torch.rand(6, 7, generator=g), -3 * torch.rand(6, 7, generator=g)
+    scores, groups = torch.tensor([0.0, 1.0, 1.0, 0.5, 0.3, 0.9]), torch.tensor([0, 0, 1, 1, 2, 2])
+    adv, log_ratio = compute_advantages("opd", teacher_log_probs=teacher, student_log_probs=student, mask=mask,
+                                        scores=scores, group_ids=groups, opd_reward_weight=weight)
+    assert torch.allclose(adv, _naive_opd(teacher, student, mask, scores.tolist(), groups.tolist(), weight), atol=1e-6)
+    assert torch.equal(log_ratio, (teacher - student) * mask)
+    assert "opd" in NEEDS_TEACHER and "opd" not in NEEDS_GROUPS  # pure distillation: one sample per prompt is fine
+    with pytest.raises(ValueError, match="opd needs `teacher_log_probs`"):
+        compute_advantages("opd", student_log_probs=student, mask=mask, teacher_log_probs=None)
+
+
+def _cfg(*overrides):
+    from megarl.trainer import load_train_config
+
+    return load_train_config(None, [f"model.path={tiny_model_dir('qwen2')}", *overrides])
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["algorithm.advantage_estimator=opd"], "algorithm.advantage_estimator=opd"),
+    (["teacher.urls=[http://x:1]"], "teacher.urls"),
+    (["algorithm.advantage_estimator=opd", "teacher.model=/m", "teacher.urls=[http://x:1]"], "teacher.model"),
+    (["algorithm.advantage_estimator=opd", "teacher.model=/m", "teacher.dtype=fp8"], "teacher.dtype"),
+    (["algorithm.advantage_estimator=opd", "teacher.model=/m", "teacher.tp_size=0"], "teacher.tp_size"),
+    (["algorithm.opd_reward_weight=0.5"], "algorithm.opd_reward_weight"),
+    (["algorithm.advantage_estimator=opd", "teacher.model=/m", "algorithm.opd_reward_weight=0.5",
+      "rollout.n_samples=1"], "algorithm.opd_reward_weight"),
+])
+def test_config_errors_are_one_line_naming_the_field(overrides, field):
+    with pytest.raises(UserError) as info:
+        _cfg(*overrides)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(field), message
+    assert "Fix:" in message or "choose one of" in message, message
+    assert _cfg("algorithm.advantage_estimator=opd", "teacher.model=/m", "rollout.n_samples=1").teacher.enabled
+
+
+def test_teacher_log_probs_travel_with_their_sample():
+    samples = [Sample(group=k // 2, prompt_index=k, prompt_ids=[1, 2, 3][: k % 3 + 1], response_ids=[4] * (k + 1),
+                      rollout_log_probs=[-0.5] * (k + 1), finish_reason="stop",
+                      loss_mask=[1, 0, 1] if k == 2 else None,
+                      teacher_log_probs=[-(k + j / 10) for j in range(k + 1)]) for k in range(4)]
+    packed = PackedRollout.from_samples(samples)
+    assert packed.teacher_log_probs.dtype == torch.float32 and packed.teacher_log_probs.numel() == 10
+    picked = PackedRollout.cat([packed.select([3, 1]), packed.select([2, 0])])
+    assert torch.equal(picked.teacher_log_probs, packed.teacher_log_probs)
+    grid = packed.per_token(packed.teacher_log_probs, rows=5, seq_len=8)
+    for i, s in enumerate(samples):  # response token j is predicted at position prompt_len - 1 + j, masked
+        for j, value in enumerate(s.teacher_log_probs):
+            trained = s.loss_mask is None or s.loss_mask[j]
+            assert grid[i, len(s.prompt_ids) - 1 + j] == pytest.approx(value if trained else 0.0)
+    assert int((grid != 0).sum()) == sum(1 for s in samples for j in range(len(s.response_ids))
+                                         if (s.loss_mask is None or s.loss_mask[j]) and s.teacher_log_probs[j])
+    shape = Shape.of(packed.select([1]), rows=2, seq_len=8, num_microbatches=1)
+    assert shape.teacher == 1 and shape.empty().teacher_log_probs.shape == (2,)  # what a DP leader receives into
+    assert PackedRollout.from_samples(samples, teacher=False).teacher_log_probs is None
+    assert Shape.of(PackedRollout.from_samples(samples, teacher=False), 2, 8, 1).empty().teacher_log_probs is None
+    with pytest.raises(ValueError, match="one teacher log-prob per response token"):
+        PackedRollout.from_samples(samples[:1] + [Sample(0, 0, [1], [2, 3], [0.0, 0.0], "stop")])
+
+
+def test_teacher_with_another_tokenizer_is_refused():
+    from megarl.rollout.teacher import TeacherTokenizerMismatch, check_same_tokenizer
+
+    policy = tiny_model_dir("qwen2")
+    check_same_tokenizer(policy, tiny_model_dir("qwen2", seed=1, num_hidden_layers=2))  # other size, same tokenizer
+    other = tiny_model_dir("qwen2", tokenizer="char")
+    with pytest.raises(TeacherTokenizerMismatch) as info:
+        check_same_tokenizer(policy, other)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"teacher.model={other!r}") and "Fix:" in message
+
+
+def test_trainer_starts_one_teacher_server_through_the_engine_config(monkeypatch, tmp_path):
+    """RLTrainer._launch_teacher: the policy engines' ServerConfig builder with the teacher's model, TP size and dtype,
+    its own log folder, on the GPUs after the policy engines'; the server is kept apart from the policy's (so the
+    weight syncs, built from the policy's servers only, never reach it)."""
+    from megarl.rollout.server import SGLangServer
+    from megarl.trainer.rl import RLTrainer
+
+    monkeypatch.setattr(SGLangServer, "launch", lambda self: self)  # the config only: no process
+    cfg = _cfg(f"run_dir={tmp_path}", "algorithm.advantage_estimator=opd", "teacher.model=/teacher",
+               "teacher.tp_size=2", "teacher.dtype=bfloat16", "rollout.engine.num_engines=2",
+               "rollout.return_routed_experts=true")
+    server = RLTrainer._launch_teacher(types.SimpleNamespace(cfg=cfg, rank=0), now=True)
+    c = server.cfg
+    assert (c.model_path, c.tp_size, c.dtype, c.base_gpu_id) == ("/teacher", 2, "bfloat16", 2)
+    assert c.log_dir == str(tmp_path / "engine" / "teacher") and "--enable-return-routed-experts" not in c.extra_args
+    assert RLTrainer._launch_teacher(types.SimpleNamespace(cfg=cfg, rank=1), now=True) is None  # rank 0 only
+    no_model = _cfg("algorithm.advantage_estimator=opd", "teacher.urls=[http://t:1]")
+    assert RLTrainer._launch_teacher(types.SimpleNamespace(cfg=no_model, rank=0), now=True) is None
+
+
+# ----------------------------------------------------------------------------------------- with a real engine
+@pytest.fixture
+def teacher_engine(tiny_qwen2_engine):
+    # the teacher: the session's tiny Qwen2 server (megarl.testing.fixtures); the student has the same family and
+    # tokenizer, other (seed 1) weights
+    return tiny_qwen2_engine
+
+
+def _hf_log_probs(model, prompt, response) -> list[float]:
+    """transformers' log p(response[j] | prompt + response[:j]) in fp32."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    return [float(logp[len(prompt) - 1 + j, int(t)]) for j, t in enumerate(response)]
+
+
+def _opd_rank(samples, n, student_path, weight):
+    """One DP rank of a DP=2 step: rank 0 (the rollout worker) dispatches the samples; each rank computes its rows'
+    student (old) log-probs with transformers and runs the trainer's advantage step (RLTrainer._advantages)."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl import parallel
+    from megarl.trainer.batching import BatchPlan, RankBatch
+    from megarl.trainer.dispatch import dispatch
+    from megarl.trainer.rl import RLTrainer
+
+    parallel.initialize(parallel.ParallelConfig())
+    groups = parallel.groups()
+    packed = plan = None
+    if torch.distributed.get_rank() == 0:
+        packed = PackedRollout.from_samples(samples, routing=False, group_size=n, teacher=True)
+        plan = BatchPlan.make(packed.seq_lens, packed.group, groups.dp_size, 1, 4096)
+    got = dispatch(packed, plan, groups)
+    rb = RankBatch(got.share.token_batch(got.rows, got.seq_len, 0), got.share, got.num_microbatches)
+    model = AutoModelForCausalLM.from_pretrained(student_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(rb.batch.input_ids).logits.float(), dim=-1)
+    rb.batch.old_log_probs = logp.gather(-1, rb.batch.targets[..., None])[..., 0] * rb.batch.loss_mask
+    cfg = _cfg("algorithm.advantage_estimator=opd", "teacher.urls=[http://unused:1]", f"rollout.n_samples={n}",
+               f"algorithm.opd_reward_weight={weight}")
+    trainer = types.SimpleNamespace(cfg=cfg, pg=types.SimpleNamespace(dp=groups.mcore.dp))
+    advantages, _ = RLTrainer._advantages(trainer, rb)
+    return {"sample_index": rb.sample_index, "prompt_lens": rb.samples.prompt_lens.tolist(),
+            "advantages": advantages, "dp_rank": groups.dp_rank}
+
+
+def test_teacher_log_probs_and_opd_advantages_equal_transformers(teacher_engine, tmp_path):
+    from megarl.data import ChatTokenizer, load_prompts
+    from megarl.rewards import RewardPool
+    from megarl.rollout import EngineClient, EngineRouter
+    from megarl.rollout.teacher import Teacher, TeacherTokenizerMismatch
+    from megarl.trainer.rollout import PromptStream, Rollout
+
+    student, teacher = tiny_model_dir("qwen2", seed=1), tiny_model_dir("qwen2")
+    n, weight = 2, 0.5
+    cfg = _cfg(f"model.path={student}", f"run_dir={tmp_path}", "algorithm.advantage_estimator=opd", f"teacher.urls=[{teacher_engine.url}]",
+               f"rollout.n_samples={n}", "rollout.prompts_per_step=4", "rollout.request_size=1",
+               "rollout.max_new_tokens=6", "reward.name=test_opd:text_checksum", "reward.workers=1",
+               "data.synthetic.num_train=20", "logging.progress=false", f"algorithm.opd_reward_weight={weight}")
+    tok = ChatTokenizer.from_pretrained(student)
+    client = EngineClient(teacher_engine.url)
+    rewards = RewardPool(cfg.reward.name, cfg.reward.workers)
+    # one engine in this test: it samples the responses and, as the teacher, scores them (a trainer samples from the
+    # policy's engines; which engine sampled does not change the teacher's log-probs of the tokens)
+    Teacher([client]).check_tokenizer(student)  # teacher.urls: the server's tokenizer (SGLang /model_info) is the same
+    with pytest.raises(TeacherTokenizerMismatch, match=r"^teacher\.urls\[0\] .* Fix: "):
+        Teacher([client]).check_tokenizer(tiny_model_dir("qwen2", tokenizer="char"))
+    rollout = Rollout(cfg, tok, EngineRouter([client]), rewards, teacher=Teacher([client]))
+    try:
+        samples, _ = rollout.collect(PromptStream(load_prompts("synthetic", tok, cfg.data), seed=0), step=1)
+    finally:
+        rollout.close()
+        rewards.close()
+    assert len(samples) == 4 * n and sum(len(s.response_ids) for s in samples) > 4 * n
+    from transformers import AutoModelForCausalLM
+
+    hf_teacher, hf_student = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
+                              for p in (teacher, student))
+    expected_teacher, expected_student, error = [], [], 0.0
+    for s in samples:
+        assert s.teacher_log_probs.dtype == np.float32 and len(s.teacher_log_probs) == len(s.response_ids)
+        ref = _hf_log_probs(hf_teacher, s.prompt_ids, s.response_ids)
+        error = max([error] + [abs(a - b) for a, b in zip(s.teacher_log_probs.tolist(), ref)])
+        expected_teacher.append(ref)
+        expected_student.append(_hf_log_probs(hf_student, s.prompt_ids, s.response_ids))
+    print(f"teacher engine vs transformers: max |diff| {error:.2e} over {sum(map(len, expected_teacher))} tokens")
+    assert error < 1e-4
+    gap = max(abs(a - b) for t, st in zip(expected_teacher, expected_student) for a, b in zip(t, st))
+    assert gap > 0.05  # the teacher is another model: the advantages are not zero by construction
+
+    results = run_ranks(2, _opd_rank, samples, n, student, weight)
+    scores = torch.tensor([s.score for s in samples])
+    seen = []
+    for r in results:
+        for row, (index, prompt_len) in enumerate(zip(r["sample_index"], r["prompt_lens"])):
+            s = samples[index]
+            peers = scores[[k for k, p in enumerate(samples) if p.group == s.group]]
+            grpo = (s.score - peers.mean()) / (peers.std() + 1e-6)
+            want = [t - st + weight * float(grpo) for t, st in zip(expected_teacher[index], expected_student[index])]
+            got = r["advantages"][row, prompt_len - 1:prompt_len - 1 + len(want)].tolist()
+            assert got == pytest.approx(want, abs=2e-4), index
+            assert float(r["advantages"][row].abs().sum()) == pytest.approx(sum(map(abs, want)), abs=1e-3)
+            seen.append(index)
+    assert sorted(seen) == list(range(len(samples))) and {r["dp_rank"] for r in results} == {0, 1}
