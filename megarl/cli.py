@@ -236,7 +236,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir")
     smoke = sub.add_parser("smoke", help="model-bridge smoke run (HF -> sharded Megatron -> HF), under torchrun")
     smoke.add_argument("--family", default="qwen3", choices=["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe",
-                                                               "mixtral", "deepseek_v3"])  # megarl.models.FAMILIES
+                                                               "mixtral", "deepseek_v3", "glm4_moe"])  # megarl.models.FAMILIES
     smoke.add_argument("--model", default=None, help="an HF model folder instead of a tiny random one")
     smoke.add_argument("--tp", type=int, default=2)
     smoke.add_argument("--pp", type=int, default=1)
@@ -260,8 +260,22 @@ def _smoke(args) -> int:
     return smoke(args)
 
 
+def _die_with_launcher() -> None:
+    """A torchrun worker dies with its torchrun: torchrun starts each worker in a session of its own, so a torchrun
+    killed outright (SIGKILL, the OOM killer) would leave its workers training on, holding their devices, the run's
+    files and the engines. The engines die with rank 0 in turn (megarl.rollout.server)."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        from megarl.rollout.server import die_with_parent
+
+        parent = os.getppid()
+        die_with_parent()
+        if os.getppid() != parent:  # the launcher died before the line above
+            os._exit(1)
+
+
 def main(argv=None) -> int:
     _log_to_stderr()
+    _die_with_launcher()
     from megarl import platform  # noqa: F401  (its warning filters, before megatron-core is imported)
 
     parser = _parser()

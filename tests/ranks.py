@@ -324,7 +324,7 @@ def rollout_worker_failure(model_path: str, failing: int) -> str:
                                    "rollout.n_samples=2", "rollout.dynamic_sampling=true"])
 
     class Router:  # an engine that answers on one worker and fails on the other
-        def generate(self, prompts, params, return_routed_experts=False):
+        def generate(self, prompts, params, return_routed_experts=False, resume_aborted=False):
             if rank == failing:
                 raise EngineError(f"rollout.engine.urls[0]: the engine died on worker {rank}. Fix: restart it")
             return [Completion(list(p), [7, 8], [-0.1, -0.2], "stop", "step-0") for p in prompts]

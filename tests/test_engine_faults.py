@@ -1,5 +1,6 @@
 """Engine faults and routing against a real SGLang server on CPU: a killed server is restarted within the cap (or a
-clear error), never a hang; the router splits batches across engines and keeps prompt order."""
+clear error), never a hang; the router splits batches (generation and prompt log-probs) across engines and keeps
+their order."""
 import os
 import signal
 import threading
@@ -11,13 +12,20 @@ from megarl.rollout import EngineClient, EngineError, EngineRouter
 from megarl.testing.engines import tiny_engine
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with tiny_engine("qwen2", str(tmp_path_factory.mktemp("engine-faults"))) as server:
-        yield server
+class _Recording(EngineClient):
+    """An engine client that records the sequences each prompt_log_probs call sends."""
+
+    def __init__(self, url):
+        super().__init__(url)
+        self.sent = []
+
+    def prompt_log_probs(self, sequences):
+        self.sent.append([list(s) for s in sequences])
+        return super().prompt_log_probs(sequences)
 
 
-def test_router_splits_and_keeps_order(server):
+def test_router_splits_and_keeps_order(tiny_qwen2_engine):
+    server = tiny_qwen2_engine  # read-only here: the session's server (megarl.testing.fixtures)
     clients = [EngineClient(server.url), EngineClient(server.url)]
     for policy in ("round_robin", "least_loaded"):
         router = EngineRouter(clients, policy=policy)
@@ -31,11 +39,26 @@ def test_router_splits_and_keeps_order(server):
     assert least._assign(4) == [1, 1, 1, 0]
     with pytest.raises(ValueError, match="rollout.router_policy='fastest' is unknown"):
         EngineRouter(clients, "fastest")
+    # prompt log-probs (a teacher's prefill): each engine gets one request with its share, results in sequence order
+    recording = [_Recording(server.url), _Recording(server.url)]
+    router = EngineRouter(recording, "round_robin")
+    sequences = [[5 + i, 6, 7, 8 + i] for i in range(5)]
+    expected = EngineClient(server.url).prompt_log_probs(sequences)
+    got = router.prompt_log_probs(sequences)
+    assert [len(g) for g in got] == [3] * 5 and router.in_flight == [0, 0]
+    assert got == [pytest.approx(e, abs=1e-5) for e in expected]
+    assert recording[0].sent == [sequences[0::2]] and recording[1].sent == [sequences[1::2]]
 
 
 def _kill(srv, delay):
     time.sleep(delay)
     os.killpg(srv.process.pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def server(tmp_path):
+    with tiny_engine("qwen2", str(tmp_path / "engine-faults")) as server:
+        yield server  # stop() also handles a server the test left dead
 
 
 def test_killed_server_is_restarted_then_capped(server):
@@ -52,4 +75,3 @@ def test_killed_server_is_restarted_then_capped(server):
         client.generate([[5, 6]], {"max_new_tokens": 2})
     assert "already restarted 1 times (cap 1)" in str(error.value)
     assert time.monotonic() - start < 240
-    server.start()  # leave the module's server running for teardown

@@ -25,7 +25,8 @@ def _edit_config(folder, **changes):
 
 # Routed experts and one expert's FFN width of each tiny MoE model (megarl/models/tiny.py), read back through the
 # field names each family uses (num_experts / num_local_experts; moe_intermediate_size / Mixtral's intermediate_size).
-MOE_SHAPES = {"qwen3_moe": (4, 32), "qwen2_moe": (4, 32), "mixtral": (4, 64), "deepseek_v3": (8, 32)}
+MOE_SHAPES = {"qwen3_moe": (4, 32), "qwen2_moe": (4, 32), "mixtral": (4, 64), "deepseek_v3": (8, 32),
+              "glm4_moe": (8, 32)}
 
 
 def test_every_family_opens(tiny_model_any_family):

@@ -12,6 +12,7 @@ import yaml
 import ranks
 from megarl.config import ConfigError
 from megarl.testing import run_ranks, tiny_model_dir
+from megarl.testing.engines import run_engine
 from megarl.trainer.batching import Sample, token_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,8 +21,8 @@ TINY_MOE = {"family": "qwen3_moe", "tokenizer": "char",
                           "max_position_embeddings": 128}}
 
 
-def _config(tmp, name: str, r3: bool) -> str:
-    cfg = {"run_dir": str(tmp / name), "seed": 3, "model": {"tiny": TINY_MOE, "moe_aux_loss_coeff": 0.0},
+def _config(tmp, name: str, r3: bool, model: str) -> str:
+    cfg = {"run_dir": str(tmp / name), "seed": 3, "model": {"path": model, "moe_aux_loss_coeff": 0.0},
            "parallel": {"ep": 2},
            "data": {"train": "synthetic", "synthetic": {"max_operand": 9, "num_train": 60, "num_eval": 4},
                     "max_prompt_tokens": 64},
@@ -41,13 +42,13 @@ def _config(tmp, name: str, r3: bool) -> str:
     return str(path)
 
 
-def _train(config: str, log: str) -> dict:
+def _train(config: str, log: str, url: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     with open(log, "w") as out:
         rc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                             "-m", "megarl.cli", "train", config], cwd=ROOT, env=env, stdout=out,
-                            stderr=subprocess.STDOUT, timeout=600).returncode
+                             "-m", "megarl.cli", "train", config, f"rollout.engine.urls=[{url}]"], cwd=ROOT, env=env,
+                            stdout=out, stderr=subprocess.STDOUT, timeout=600).returncode
     assert rc == 0, f"megarl train failed ({rc}); log tail:\n" + open(log).read()[-4000:]
     rows = [json.loads(line) for line in open(os.path.join(os.path.dirname(config), log_name(config), "metrics.jsonl"))]
     return next(r for r in rows if r["step"] == 1 and "grad_norm" in r)
@@ -60,10 +61,17 @@ def log_name(config: str) -> str:
 def test_routing_replay_makes_training_route_like_the_engine(tmp_path):
     """Step 1 draws the same rollouts either way (same seeds, same weights), so the two runs compare the trainer's
     log-probs of identical tokens: with R3 the trainer uses exactly the engine's experts and its log-probs move
-    closer to the engine's."""
-    off = _train(_config(tmp_path, "r3_off", False), str(tmp_path / "off.log"))
-    on = _train(_config(tmp_path, "r3_on", True), str(tmp_path / "on.log"))
+    closer to the engine's. Both runs use one engine (rollout.engine.urls; a start costs ~25 s), the one a run would
+    start itself: each run first pushes its initial weights into it (verified), so step 1 samples from the same
+    weights."""
+    model = tiny_model_dir(TINY_MOE["family"], tokenizer=TINY_MOE["tokenizer"], **TINY_MOE["overrides"])
+    configs = {r3: _config(tmp_path, f"r3_{'on' if r3 else 'off'}", r3, model) for r3 in (False, True)}
+    with run_engine(configs[False], model, str(tmp_path / "engine")) as server:  # bf16, returns routed experts
+        off = _train(configs[False], str(tmp_path / "off.log"), server.url)
+        on = _train(configs[True], str(tmp_path / "on.log"), server.url)
     assert off["rollout/samples"] == on["rollout/samples"] == 32 and on["grad_norm"] > 0
+    for key in ("reward/mean", "response_len/mean", "rollout/tokens"):  # the same rollouts (R3 changes no sampling)
+        assert on[key] == off[key], key
     # the trainer's own routing mostly matches the engine's (so the token/layer bookkeeping is right: a wrong
     # order would agree ~25% of the time with top-2 of 8), but not always in bf16 vs fp32
     assert 0.95 < off["moe/routing_agreement"] < 1.0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megarl.algorithms import compute_advantages
-from megarl.algorithms.advantages import NEEDS_GROUPS, NEEDS_TEACHER
+from megarl.algorithms.advantages import NEEDS_GROUPS, NEEDS_TEACHER, RETURNS_TEACHER_LOG_RATIO
 from megarl.errors import UserError
 from megarl.testing import run_ranks, tiny_model_dir
 from megarl.trainer.batching import PackedRollout, Sample
@@ -47,6 +47,7 @@ def test_opd_matches_naive_reference(weight):
     assert torch.allclose(adv, _naive_opd(teacher, student, mask, scores.tolist(), groups.tolist(), weight), atol=1e-6)
     assert torch.equal(log_ratio, (teacher - student) * mask)
     assert "opd" in NEEDS_TEACHER and "opd" not in NEEDS_GROUPS  # pure distillation: one sample per prompt is fine
+    assert "opd" in RETURNS_TEACHER_LOG_RATIO  # the trainer logs opd/reverse_kl from these returns
     with pytest.raises(ValueError, match="opd needs `teacher_log_probs`"):
         compute_advantages("opd", student_log_probs=student, mask=mask, teacher_log_probs=None)
 
@@ -93,7 +94,7 @@ def test_teacher_log_probs_travel_with_their_sample():
     assert int((grid != 0).sum()) == sum(1 for s in samples for j in range(len(s.response_ids))
                                          if (s.loss_mask is None or s.loss_mask[j]) and s.teacher_log_probs[j])
     shape = Shape.of(packed.select([1]), rows=2, seq_len=8, num_microbatches=1)
-    assert shape.teacher == 1 and shape.empty().teacher_log_probs.shape == (2,)  # what a DP leader receives into
+    assert shape.optional == 0b01 and shape.empty().teacher_log_probs.shape == (2,)  # what a DP leader receives into
     assert PackedRollout.from_samples(samples, teacher=False).teacher_log_probs is None
     assert Shape.of(PackedRollout.from_samples(samples, teacher=False), 2, 8, 1).empty().teacher_log_probs is None
     with pytest.raises(ValueError, match="one teacher log-prob per response token"):

@@ -195,8 +195,8 @@ def test_preemption_checkpoints_requeues_and_resumes(cluster, tmp_path):
 
 def test_disaggregated_job_completes(cluster, tmp_path):
     """slurm/train_disagg.sbatch with rollout.placement=disaggregated, rollout.engine.nodes=1: n2 runs the SGLang
-    server, n1 trains against it and pushes weights over reshard.transport=distributed (real Slurm only: the bash
-    stand-in has one node)."""
+    server, n1 trains against it and pushes weights over reshard.transport=distributed, asynchronously (rl.max_staleness
+    1; real Slurm only: the bash stand-in has one node)."""
     if cluster.kind != "slurm":
         pytest.skip(f"needs two Slurm nodes; real Slurm unavailable: {cluster.unavailable_reason}")
     name = "megarl-d"
@@ -205,12 +205,16 @@ def test_disaggregated_job_completes(cluster, tmp_path):
                                              if p),
                "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "GPUS_PER_NODE": "1"}
     job = cluster.sbatch(DISAGG, [config, "rollout.placement=disaggregated", "rollout.engine.nodes=1",
-                                  "reshard.transport=distributed"], env=job_env, cwd=ROOT,
+                                  "reshard.transport=distributed", "rl.max_staleness=1"], env=job_env, cwd=ROOT,
                          options=["-N2", f"--job-name={name}", f"--output={tmp_path}/%x-%j.out", f"--chdir={ROOT}"])
     _SUBMITTED.append(job)
     info = _wait(cluster, tmp_path, run_dir, name, job, {"COMPLETED"}, timeout=180)
     assert info["ExitCode"] == "0:0", info
-    assert sorted({r["step"] for r in _metric_rows(run_dir)}) == [0, 1, 2]
+    rows = _metric_rows(run_dir)
+    assert sorted({r["step"] for r in rows}) == [0, 1, 2]
+    # asynchronous (k = 1, partial rollouts): step 2 was generated while step 1 trained, by weights at most 1 step old
+    lags = {r["step"]: r["async/max_lag"] for r in rows if "async/max_lag" in r}
+    assert lags[1] == 0 and 0 <= lags[2] <= 1, lags
     batch = _batch_log(tmp_path, name, job)
     assert "engines healthy: http://127.0.0.1:" in batch and "training finished" in batch, batch
     assert "trainer nodes n1," in batch and "starting 1 SGLang server(s) on n2" in batch, batch

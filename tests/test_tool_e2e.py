@@ -32,7 +32,10 @@ def _config(tmp) -> str:
                        "engine": {"max_total_tokens": 8192}},
            "reward": {"name": "exact_match", "workers": 1},
            "optim": {"lr": 1.0e-3},
-           "rl": {"steps": STEPS, "eval_samples": 4, "dump_rollouts": True},
+           # the RL-dynamics metrics: update sparsity at DP=2, the forgetting KL on multi-turn episodes (tool output
+           # tokens are not the policy's: masked)
+           "rl": {"steps": STEPS, "eval_samples": 4, "dump_rollouts": True, "log_update_sparsity": True,
+                  "forgetting_kl": True},
            "reshard": {"bucket_mb": 1},
            "logging": {"wandb": "disabled", "progress": False}}
     path = tmp / "tool.yaml"
@@ -138,6 +141,10 @@ def test_tool_run_metrics(run):
         # trainer and engine agree on the model tokens' log-probs in multi-turn context
         assert m["mismatch/logprob_abs_diff"] < 1e-4 and m["mismatch/logprob_abs_diff_max"] < 1e-3
         assert m["tool/call_rate"] > 0 and m["rollout/turns_mean"] > 1 and 0 < m["rollout/observation_token_frac"] < 1
+        assert 0 < m["dynamics/update_changed_frac"] <= 1  # rl.log_update_sparsity: the step changed parameters
+    # rl.forgetting_kl: KL(policy || the SFT model RL started from) is 0 before RL, positive once the policy moved
+    assert metrics[0]["eval/kl_to_initial"] == 0 == metrics[0]["eval/kl_to_initial_k1"]
+    assert metrics[STEPS]["eval/kl_to_initial"] > 0
     for step in (0, STEPS):
         m = metrics[step]
         curve = [m[f"eval/pass_at_{k}"] for k in (1, 2, 4)]
@@ -157,8 +164,8 @@ def test_megarl_eval_perplexity_matches_transformers_and_engine(run):
     responses = tmp / "responses.jsonl"
     pairs = [("3*4=", "12"), ("7*8=", "56"), ("9*9=", "The answer is 81.")]
     responses.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in pairs))
-    _torchrun(["eval", config, "--samples", "4", "--responses", str(responses), "--out", str(tmp / "eval")], 1,
-              str(tmp / "eval.log"))
+    _torchrun(["eval", config, "--samples", "4", "--responses", str(responses), "--out", str(tmp / "eval"),
+               "rl.forgetting_kl=false"], 1, str(tmp / "eval.log"))  # the run's test covers it; no reference here
     result = json.load(open(tmp / "eval" / "eval.json"))
     assert result["step"] == STEPS and len(result["pass_at_k_curve"]) == 4
     assert os.path.getsize(tmp / "eval" / "pass_at_k.png") > 1000

@@ -82,6 +82,8 @@ CASES = [  # (preset, nnodes, gpus per node, overrides): 8, 16, 64 and 128 GPUs
     ("configs/qwen3_30b_a3b_16gpu_disagg.yaml", 2, 8, []),  # 16 GPUs, the trainer gets 8
     ("configs/deepseek_v3_64gpu.yaml", 8, 8, []),
     ("configs/deepseek_v3.yaml", 16, 8, []),
+    ("configs/deepseek_v3_pp4.yaml", 16, 8, []),  # uneven pipeline stages 16+15+15+15
+    ("configs/glm45_air.yaml", 4, 8, []),
     # every group kind non-trivial at once: tp, pp (+vpp), cp, ep, etp != tp
     ("configs/qwen3_30b_a3b.yaml", 4, 8, ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.cp=2",
                                           "parallel.ep=4", "parallel.etp=2"]),
@@ -281,3 +283,108 @@ def test_dry_run_of_a_cpu_config_on_a_cpu_machine_plans_the_cpu_run(monkeypatch)
     assert "1 node(s) x 1 CPU process(es)" in text and "--device cpu" in text and "GPUs " not in text
     planned = launch.dry_run("run", "configs/quickstart.yaml", [], nnodes=1, gpus_per_node=8, environ={})
     assert "1 node(s) x 8 GPUs" in planned and "--device cpu" not in planned
+
+
+# ------------------------------------------------------------------------------------------- memory estimate
+def test_memory_estimate_equals_a_hand_computation():
+    """megarl.launch.memory on a small MLA + MoE shape with a dense first layer, tp 2, pp 3 (uneven), ep 2, etp 1,
+    against the parameter count written out tensor by tensor (DeepSeek-V3's HF names) and the byte rules."""
+    from megarl.launch import memory
+    from megarl.parallel import ModelShape, ParallelConfig
+
+    s = ModelShape(num_layers=7, num_attention_heads=4, num_key_value_heads=4, ffn_hidden_size=48, num_experts=8,
+                   moe_ffn_hidden_size=16, hidden_size=32, vocab_size=100, num_dense_layers=1,
+                   shared_expert_ffn_hidden_size=16, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6,
+                   qk_rope_head_dim=2, v_head_dim=4)
+    h, heads, V = 32, 4, 100
+    # split over tp: q_b_proj, kv_b_proj, o_proj; whole on every tp rank: q_a_proj + q_a_layernorm,
+    # kv_a_proj_with_mqa + kv_a_layernorm, input_layernorm + post_attention_layernorm
+    attn_split = 12 * heads * (6 + 2) + 8 * heads * (6 + 4) + heads * 4 * h
+    attn_whole = (h * 12 + 12) + (h * (8 + 2) + 8) + 2 * h
+    dense_mlp = 3 * h * 48  # gate, up, down
+    shared, router, experts = 3 * h * 16, 8 * h, 8 * 3 * h * 16
+    tp, ep, world = 2, 2, 12
+    p = ParallelConfig(tp=tp, pp=3, ep=ep, etp=1)
+    stages = p.stage_layers(7)
+    assert [list(r) for (r,) in stages] == [[0, 1], [2, 3, 4], [5, 6]]  # megarl's automatic uneven split
+    moe_layer = (attn_split + shared) / tp + attn_whole + router
+    dense = [V * h / tp + (attn_split + dense_mlp) / tp + attn_whole + moe_layer,  # embedding, layer 0 (dense), 1
+             3 * moe_layer,
+             2 * moe_layer + h + V * h / tp]  # + final norm and output layer
+    expert = [1 * experts / ep, 3 * experts / ep, 2 * experts / ep]
+    sizes = {"tp": tp, "pp": 3, "cp": 1, "ep": ep, "etp": 1, "dp": world // (tp * 3), "expert-dp": world // (ep * 3)}
+    assert sizes["dp"] == 2 and sizes["expert-dp"] == 2
+    for distributed, shards in ((True, (2, 2)), (False, (1, 1))):
+        got = memory.trainer_memory(s, stages, sizes, distributed, "bfloat16")
+        for st, d, e in zip(got, dense, expert):
+            assert (st.dense_params, st.expert_params) == pytest.approx((d, e))
+            assert st.weights == pytest.approx(2 * (d + e)) and st.gradients == pytest.approx(4 * (d + e))
+            # fp32 master copy + two fp32 moments, sharded over dp (dense) and expert-dp (experts)
+            assert st.optimizer == pytest.approx(12 * (d / shards[0] + e / shards[1]))
+    (fp32,) = memory.trainer_memory(s, [[range(7)]], {**sizes, "pp": 1}, False, "float32")
+    assert fp32.optimizer == pytest.approx(8 * (fp32.dense_params + fp32.expert_params))  # no master copy
+
+    total = 2 * V * h + h + 7 * (attn_split + attn_whole) + dense_mlp + 6 * (shared + router + experts)
+    assert memory.total_params(s) == total
+    # the engine: weights over its tp; MLA's KV cache is one latent (kv_lora_rank + rope dims) per layer and token
+    eng = memory.engine_memory(s, tp=2, dtype="bfloat16", max_total_tokens=None, step_tokens=1000, engines=3)
+    assert eng.weights == pytest.approx(total * 2 / 2) and eng.kv_per_token == 7 * (8 + 2) * 2
+    assert eng.tokens == 334 and eng.kv_cache == 334 * 140
+    assert memory.engine_memory(s, 2, "bfloat16", 4096, 1000, 3).tokens == 4096
+    # GQA: K and V, KV heads split over tp (one each when tp exceeds them)
+    gqa = ModelShape(num_layers=3, num_attention_heads=8, num_key_value_heads=2, ffn_hidden_size=64, hidden_size=64,
+                     vocab_size=100, head_dim=16)
+    assert memory.kv_bytes_per_token(gqa, 1, "bfloat16") == 2 * 3 * 2 * 16 * 2
+    assert memory.kv_bytes_per_token(gqa, 4, "bfloat16") == 2 * 3 * 1 * 16 * 2
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "qwen3_moe", "mixtral", "qwen3", "llama"])
+def test_parameter_count_equals_transformers(family):
+    """The estimate's parameter count of each tiny family (its config.json fields) against the transformers model
+    built from them; what the estimate leaves out by design (biases, QK-norm weights) is left out of both."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megarl.launch import memory
+    from megarl.models import tiny
+    from megarl.models.hf import model_shape
+
+    fields = {**tiny._BASE, **tiny._FAMILY[family]}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields))
+    left_out = re.compile(r"\.bias$|\.(q_norm|k_norm)\.weight$")
+    counted = {n: p.numel() for n, p in model.named_parameters() if not left_out.search(n)}
+    assert sum(counted.values()) == memory.total_params(model_shape(fields))
+
+
+def test_dry_run_prints_memory_per_stage_and_engine():
+    from megarl.launch import memory
+
+    text = dry_run("train", "configs/glm45_air.yaml", [], nnodes=4, gpus_per_node=8, environ={})
+    assert "pp rank 0: layers 0-22 (23)" in text and "pp rank 1: layers 23-45 (23)" in text
+    cfg = load_train_config("configs/glm45_air.yaml")
+    topo = plan(cfg, 4, 8, config_path="configs/glm45_air.yaml")
+    first, last = topo.memory
+    assert first.layers == last.layers == 23 and first.expert_params < last.expert_params  # layer 0 is dense
+    assert f"trainer pp rank 1 (23 layers): {last.dense_params / 1e9:.2f}B dense + {last.expert_params / 1e9:.2f}B " \
+           f"expert params: weights {last.weights / 1e9:.1f} GB" in text
+    eng = topo.engine_memory
+    assert eng.tp == 8 and eng.tokens == -(-64 * 8 * (1024 + 8192) // 4)  # one step over 4 engines, full length
+    assert f"engine (SGLang tp 8, bfloat16): weights {eng.weights / 1e9:.1f} GB" in text
+    assert f"up to {(last.total + eng.total) / 1e9:.1f} GB per GPU" in text  # colocated: both at once
+    # the preset's header quotes the estimate
+    header = open("configs/glm45_air.yaml").read()
+    assert f"{first.total / 1e9:.1f} GB on stage 0 and {last.total / 1e9:.1f} GB on stage 1" in header
+    assert f"up to {(last.total + eng.total) / 1e9:.1f} GB in all" in header
+    # DeepSeek-V3: MLA's KV cache (kv_lora_rank 512 + rope 64 per layer, bf16) and 671B parameters
+    ds = plan(load_train_config("configs/deepseek_v3.yaml"), 16, 8)
+    assert ds.engine_memory.kv_per_token == 61 * (512 + 64) * 2
+    assert round(memory.total_params(ds.model_shape) / 1e9) == 671
+    pp4 = plan(load_train_config("configs/deepseek_v3_pp4.yaml"), 16, 8)
+    assert [st.layers for st in pp4.memory] == [16, 15, 15, 15]
+    assert max(st.total for st in pp4.memory) < ds.memory[0].total  # pp 4 holds fewer dense parameters per GPU
+    # a shape without hidden_size / vocab_size: the dry run says what to add instead of guessing
+    bare = dry_run("train", "configs/qwen3_30b_a3b.yaml", ["model.shape={num_layers: 48, num_attention_heads: 32, "
+                   "num_key_value_heads: 4, ffn_hidden_size: 6144, num_experts: 128, moe_ffn_hidden_size: 768}"],
+                   nnodes=1, gpus_per_node=8, environ={})
+    assert "memory    not estimated: the model shape has no hidden_size, vocab_size (add them to model.shape" in bare

@@ -66,8 +66,7 @@ def _rl_config(tmp_path, name: str) -> str:
     return write_config(
         tmp_path, name, seed=3, data={"synthetic": {"num_eval": 6}},
         algorithm={"advantage_estimator": "gae", "use_critic": True, "kl_coef": 0.05, "kl_in_reward": True},
-        rl={"steps": 4, "dump_rollouts": True, "critic_lr": 1e-3, "mini_batches": 2, "log_update_sparsity": True,
-            "forgetting_kl": True},
+        rl={"steps": 4, "dump_rollouts": True, "critic_lr": 1e-3, "mini_batches": 2},
         reshard={"verify_every": 2}, checkpoint={"save_every": 1, "keep": 10})
 
 
@@ -124,7 +123,7 @@ def test_rl_run_trains_the_engine_tokens(uninterrupted):
         assert m["critic/grad_norm"] > 0 and "critic/value_loss" in m and "kl" in m
         assert m["mismatch/logprob_abs_diff"] < 1e-4  # trainer and engine agree on the sampled tokens' log-probs
         assert 0 < m["mismatch/logprob_abs_diff_max"] < 1e-3
-        assert 0 < m["dynamics/update_changed_frac"] <= 1 and m["dynamics/entropy_top20"] > m["dynamics/entropy_rest80"]
+        assert m["dynamics/entropy_top20"] > m["dynamics/entropy_rest80"]
         samples = dumped_samples(uninterrupted, step)
         rows = [json.loads(line) for dp in (0, 1)
                 for line in open(uninterrupted / "rollouts" / f"step_{step:06d}.dp{dp}.train.jsonl")]
@@ -134,7 +133,6 @@ def test_rl_run_trains_the_engine_tokens(uninterrupted):
             assert r["input_ids"] == s["prompt_ids"] + s["response_ids"]  # byte-identical, no re-tokenisation
             assert r["trained"] == s["response_ids"]  # exactly the engine's response tokens carry loss
     assert "eval/pass_at_1" in metrics[0] and "eval/pass_at_1" in metrics[4]
-    assert metrics[0]["eval/kl_to_initial"] == 0 < metrics[4]["eval/kl_to_initial"]  # the policy left its start
     assert metrics[4]["reward/mean"] != metrics[1]["reward/mean"]  # the policy moved
     ckpts = sorted(os.listdir(uninterrupted / "checkpoints"))
     assert ckpts == ["latest", "step_000001", "step_000002", "step_000003", "step_000004"]

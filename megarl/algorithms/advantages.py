@@ -30,6 +30,9 @@ GREEDY_BASELINE = {"remax"}
 # Estimators that need a teacher's log-probs of the sampled tokens (the `teacher:` config section): the rollout asks the
 # teacher engine for them and they travel with each sample (PackedRollout.teacher_log_probs).
 NEEDS_TEACHER = {"opd"}
+# Estimators whose returns are the per-token log-ratio log pi_teacher - log pi_student of the sampled tokens: the trainer
+# logs their masked mean's negative as opd/reverse_kl, the sampled KL(student || teacher).
+RETURNS_TEACHER_LOG_RATIO = {"opd"}
 
 
 def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor):
@@ -171,7 +174,9 @@ def gdpo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, r
     """GDPO (multi-reward, arXiv:2601.05242): normalise each reward column k within its group,
     (r_k - mean_k) / (std_k + eps), combine with reward_weights, then whiten the combined advantage over the global
     batch. std_normalize=False keeps only the per-reward centring, r_k - mean_k (GDPO without std normalisation);
-    the batch whitening stays."""
+    the batch whitening stays. Scores [b] (the trainer's one reward per sample) are one reward column."""
+    if scores.dim() == 1:
+        scores = scores[:, None]
     if scores.dim() != 2:
         raise ValueError(f"gdpo needs scores of shape [batch, n_rewards], got {tuple(scores.shape)}")
     weights = torch.ones(scores.shape[1]) if reward_weights is None else torch.as_tensor(reward_weights,

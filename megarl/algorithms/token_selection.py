@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 HIST_BINS = 4096
 _PRIME = 2147483647  # 2^31 - 1: products of two residues fit in int64
+# The token selections loss_phases applies, by name; each is turned on by the AlgorithmConfig switch of that name.
+TOKEN_SELECTIONS = ("lopti", "high_entropy_only")
 
 
 def _reduce(values: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:

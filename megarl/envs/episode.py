@@ -27,11 +27,15 @@ class Episode:
     info: dict = field(default_factory=dict)  # summed EnvStep.info counters
     weight_version: str | None = None
     routed_experts: object = None  # MoE routing of prompt + response[:-1], a flat int32 tensor (from the last turn)
+    # runs of (token count, weight_version) over response_ids: which weights sampled each model token, across turns
+    # (observation tokens: version None)
+    segments: list = field(default_factory=list)
 
-    def add(self, ids: list[int], trained: bool, log_probs: list[float] | None = None) -> None:
+    def add(self, ids: list[int], trained: bool, log_probs: list[float] | None = None, segments=None) -> None:
         self.response_ids += ids
         self.loss_mask += [int(trained)] * len(ids)
         self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(ids)
+        self.segments += segments if segments is not None else [(len(ids), None)]
 
 
 def observation_ids(tok, observation, tools=None) -> list[int]:
@@ -71,7 +75,7 @@ def run_episodes(generate: Callable, tok, envs: list[Env], records: list, params
         for i, c in zip(live, completions):
             check_turn(c)
             ep = episodes[i]
-            ep.add(c.output_ids, True, c.output_log_probs)
+            ep.add(c.output_ids, True, c.output_log_probs, c.segments)
             ep.turns, ep.weight_version, ep.routed_experts = turn + 1, c.weight_version, c.routed_experts
             ep.final_text = tok.decode(c.output_ids)
             texts.append(ep.final_text)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from ..config import ConfigError
+from . import memory as mem
 from ..parallel import ORDER, ModelShape, ParallelConfig, ParallelConfigError
 from ..parallel.env import expand_hostlist
 
@@ -114,6 +115,12 @@ class Topology:
     # a model shape. pipeline_split: the TransformerConfig split fields the run sets ({}: even split).
     stage_layers: Optional[list] = None
     pipeline_split: dict = field(default_factory=dict)
+    # The memory estimate per GPU (megarl.launch.memory): per pp rank, and one engine GPU (None for sft); memory is
+    # None when the shape lacks what it needs (memory_missing names those fields).
+    memory: Optional[list[mem.StageMemory]] = None
+    engine_memory: Optional[mem.EngineMemory] = None
+    memory_missing: tuple[str, ...] = ()
+    distributed_optimizer: bool = False
 
     def host_of(self, rank: int) -> tuple[int, int]:
         """(node index, local GPU) of a trainer rank."""
@@ -303,13 +310,27 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
     if shape is not None and cfg.model.path and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
         notes.append(f"{cfg.model.path} is not on this machine: the layout was checked against model.shape; the run "
                      "itself reads config.json and checks again")
+    memory = engine_mem = None
+    missing: tuple[str, ...] = ()
+    if shape is not None:
+        missing = tuple(mem.missing_fields(shape))
+        if not missing:
+            dtype = "bfloat16" if on_gpu else "float32"
+            memory = mem.trainer_memory(shape, stage_layers, sizes, cfg.optim.distributed_optimizer, dtype)
+            if command != "sft":
+                r = cfg.rollout
+                step_tokens = r.prompts_per_step * r.n_samples * (cfg.data.max_prompt_tokens + r.max_new_tokens)
+                engine_mem = mem.engine_memory(shape, engine_tp, engine_cfg.dtype or dtype, engine_cfg.max_total_tokens,
+                                               step_tokens, len(engines))
     return Topology(command=command, config_path=config_path, nnodes=nnodes, gpus_per_node=gpus_per_node,
                     placement=placement, hosts=tuple(hosts), trainer_nodes=trainer_nodes, engine_nodes=engine_nodes,
                     world_size=world, parallel=p, sizes=sizes, groups=groups, model_path=model_path,
                     model_shape=shape, shape_source=shape_source, engine_tp=engine_tp, engines=tuple(engines),
                     engines_started_by=started_by, engine_urls=urls, rdzv_endpoint=rdzv_endpoint,
                     nodes=tuple(node_plans), launch_source=launch_source, notes=tuple(notes),
-                    stage_layers=stage_layers, pipeline_split=split, device=device)
+                    stage_layers=stage_layers, pipeline_split=split, device=device, memory=memory,
+                    engine_memory=engine_mem, memory_missing=missing,
+                    distributed_optimizer=cfg.optim.distributed_optimizer)
 
 
 def engine_command(cfg, model_path: str, index: int, host: str, port: Optional[int],
@@ -391,6 +412,13 @@ def format_topology(topo: Topology, verbose: bool = False) -> str:
                  f"on node(s) {_span(topo.trainer_nodes)}, order {ORDER}")
     if topo.stage_layers is not None and s["pp"] > 1:
         lines += _format_stages(topo, verbose)
+    if topo.memory is not None:
+        lines += mem.format_memory(topo.memory, topo.engine_memory, s, "bfloat16" if topo.device == "GPU" else
+                                   "float32", topo.distributed_optimizer, topo.placement, verbose,
+                                   unit="GPU" if topo.device == "GPU" else "process")
+    elif topo.memory_missing:
+        lines.append(f"memory    not estimated: the model shape has no {', '.join(topo.memory_missing)} (add them to "
+                     "model.shape from the model's config.json)")
     lines.append("")
     lines.append("rank groups (megatron.core.parallel_state.RankGenerator, as initialize_model_parallel builds them)"
                  + ("" if verbose else "; first 2 of each kind, --verbose lists all"))

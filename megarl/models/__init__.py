@@ -1,4 +1,5 @@
-"""Models: HF folders -> Megatron GPTModel (Llama, Qwen2, Qwen3, Qwen3-MoE), weight load/export, tiny test models."""
+"""Models: HF folders -> Megatron GPTModel (megarl.models.hf.SUPPORTED_ARCHITECTURES), weight load/export, tiny test
+models."""
 from .bridge import ModelBridge, is_expert_param
 from .checkpoint import load_model_checkpoint, save_model_checkpoint
 from .forward import PackedLayout, causal_inputs, forward_logits, packed_layouts

@@ -41,6 +41,13 @@ _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12
 _GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 
 
+def _deepseek_router_without_mtp(c) -> dict:
+    """DeepSeek-V3's router as GLM-4.5 reuses it (megarl.models.hf.SIGMOID_GROUP_ROUTED): group-limited routing from
+    n_group / topk_group, and no MTP layer (see deepseek_v3 below)."""
+    return dict(moe_router_num_groups=c.n_group, moe_router_group_topk=c.topk_group, mtp_num_layers=None,
+                mtp_loss_scaling_factor=None)
+
+
 # TransformerConfig fields a family needs beyond what its mbridge bridge sets (a function of the HF config).
 _FAMILY_CONFIG = {
     # Qwen2-MoE scales its shared expert by sigmoid(x @ shared_expert_gate): megatron-core's SharedExpertMLP gate.
@@ -55,9 +62,16 @@ _FAMILY_CONFIG = {
     # for TE's fused attention, which the GPU (TE spec) keeps; on CPU it is megatron-core's default, as for every other
     # family (the local spec's attention does not read it, but GPTModel exports it as process-wide NVTE_* variables and
     # asserts that every model built in the process agrees).
-    "deepseek_v3": lambda c: dict(moe_router_num_groups=c.n_group, moe_router_group_topk=c.topk_group,
-                                  mtp_num_layers=None, mtp_loss_scaling_factor=None,
+    "deepseek_v3": lambda c: dict(**_deepseek_router_without_mtp(c),
                                   **({} if platform.on_gpu() else {"attention_backend": "auto"})),
+    # GLM-4.5 (mbridge's GLM4MoEBridge builds on its Qwen2-MoE one). Its router is DeepSeek-V3's, so group-limited
+    # routing is set as above (mbridge leaves it off; GLM-4.5 ships n_group 1). Where mbridge 0.15.1 does not follow
+    # the HF config: q/k/v biases come from attention_bias (mbridge: always on), and the shared experts are
+    # n_shared_experts x moe_intermediate_size wide (mbridge: one expert's width), as transformers' Glm4MoeMoE builds
+    # them. The MTP layer (num_nextn_predict_layers, model.layers.{num_hidden_layers}.*) is skipped as for DeepSeek-V3.
+    # Partial RoPE (partial_rotary_factor) is GPTModel's rotary_percent (ModelBridge.build).
+    "glm4_moe": lambda c: dict(**_deepseek_router_without_mtp(c), add_qkv_bias=bool(c.attention_bias),
+                               moe_shared_expert_intermediate_size=c.moe_intermediate_size * c.n_shared_experts),
 }
 
 
@@ -205,6 +219,7 @@ class ModelBridge:
                 share_embeddings_and_output_weights=self.tied and not value_head,
                 position_embedding_type="rope",
                 rotary_base=self.hf.rope_theta,
+                rotary_percent=self.hf.rotary_percent,
                 vp_stage=vp_stage,
                 pg_collection=self.pg,
             )

@@ -20,7 +20,11 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
+# Families whose router scores experts with a sigmoid plus the e_score_correction_bias and picks the top-k within the
+# best topk_group of n_group expert groups (DeepSeek-V3's router, which GLM-4.5 reuses).
+SIGMOID_GROUP_ROUTED = ("deepseek_v3", "glm4_moe")
 # The config.json field that holds the number of routed experts: Qwen-MoE, Mixtral, DeepSeek name it differently.
 _EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 _REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
@@ -52,6 +56,13 @@ class HFModelFolder:
         # transformers 5 keeps rope settings in config.rope_parameters; older configs have rope_theta.
         params = getattr(self.config, "rope_parameters", None) or {}
         return float(params.get("rope_theta", getattr(self.config, "rope_theta", 10000.0)))
+
+    @property
+    def rotary_percent(self) -> float:
+        """The fraction of each attention head RoPE rotates (GLM-4.5: 0.5, the first half); 1.0 for most families.
+        transformers 5 keeps it in rope_parameters; older configs have partial_rotary_factor."""
+        params = getattr(self.config, "rope_parameters", None) or {}
+        return float(params.get("partial_rotary_factor", getattr(self.config, "partial_rotary_factor", 1.0) or 1.0))
 
     def shape(self) -> ModelShape:
         return model_shape(self.config.to_dict())
@@ -129,14 +140,29 @@ def _fp8_block(raw: dict, config_path: str) -> tuple[int, int] | None:
 
 def model_shape(fields: Mapping) -> ModelShape:
     """config.json fields -> ModelShape. An expert's FFN width is moe_intermediate_size, or intermediate_size for
-    Mixtral (whose experts are as wide as a dense MLP and which has no moe_intermediate_size)."""
+    Mixtral (whose experts are as wide as a dense MLP and which has no moe_intermediate_size). Shared experts:
+    Qwen2-MoE's shared_expert_intermediate_size, or n_shared_experts x moe_intermediate_size (DeepSeek-V3, GLM-4.5).
+    Dense layers of a MoE model: first_k_dense_replace (DeepSeek-V3, GLM-4.5)."""
+    def opt(key):
+        return int(fields[key]) if fields.get(key) is not None else None
+
     heads = int(fields["num_attention_heads"])
     experts = next((int(fields[k]) for k in _EXPERT_COUNT_FIELDS if fields.get(k)), None)
+    moe_ffn = int(fields.get("moe_intermediate_size") or fields["intermediate_size"]) if experts else None
+    shared = opt("shared_expert_intermediate_size") or \
+        (int(fields["n_shared_experts"]) * moe_ffn if experts and fields.get("n_shared_experts") else None)
+    mla = fields.get("kv_lora_rank") is not None
     return ModelShape(num_layers=int(fields["num_hidden_layers"]), num_attention_heads=heads,
                       num_key_value_heads=int(fields.get("num_key_value_heads") or heads),
                       ffn_hidden_size=int(fields["intermediate_size"]), num_experts=experts,
-                      moe_ffn_hidden_size=int(fields.get("moe_intermediate_size") or fields["intermediate_size"])
-                      if experts else None)
+                      moe_ffn_hidden_size=moe_ffn, hidden_size=opt("hidden_size"), vocab_size=opt("vocab_size"),
+                      head_dim=opt("head_dim"), num_dense_layers=opt("first_k_dense_replace") if experts else None,
+                      shared_expert_ffn_hidden_size=shared if experts else None,
+                      q_lora_rank=opt("q_lora_rank") if mla else None, kv_lora_rank=opt("kv_lora_rank"),
+                      qk_nope_head_dim=opt("qk_nope_head_dim") if mla else None,
+                      qk_rope_head_dim=opt("qk_rope_head_dim") if mla else None,
+                      v_head_dim=opt("v_head_dim") if mla else None,
+                      tie_word_embeddings=bool(fields.get("tie_word_embeddings", False)))
 
 
 def _unsupported_variant(config) -> str | None:
@@ -149,13 +175,13 @@ def _unsupported_variant(config) -> str | None:
         return (f"mlp_only_layers={mlp_only} / decoder_sparse_step={sparse_step}: dense MLP layers in a {model_type} "
                 "model are not supported. Fix: use a model whose every layer is MoE (mlp_only_layers: [], "
                 "decoder_sparse_step: 1).")
-    if model_type != "deepseek_v3":
+    if model_type not in SIGMOID_GROUP_ROUTED:
         return None
     if not config.norm_topk_prob:
         # megatron-core always renormalises sigmoid router scores over the top-k (topk_routing_with_score_function).
-        return ("norm_topk_prob=false is not supported for deepseek_v3 (megatron-core renormalises sigmoid router "
+        return (f"norm_topk_prob=false is not supported for {model_type} (megatron-core renormalises sigmoid router "
                 "scores over the top-k). Fix: use a model with norm_topk_prob: true.")
-    if not getattr(config, "rope_interleave", True):
+    if model_type == "deepseek_v3" and not getattr(config, "rope_interleave", True):
         # megatron-core's MLA always takes the RoPE dimensions interleaved (apply_rotary_pos_emb with mla=True).
         return ("rope_interleave=false is not supported for deepseek_v3 (megatron-core's multi-latent attention "
                 "applies RoPE to interleaved dimensions, as DeepSeek-V3 does). Fix: use a model with rope_interleave: "

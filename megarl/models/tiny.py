@@ -9,7 +9,7 @@ import os
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe")
 
 _BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, hidden_act="silu",
@@ -37,6 +37,15 @@ _FAMILY = {
                         q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                         routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0,
                         rope_interleave=True),
+    # GLM-4.5 / 4.6 / 4.5-Air: GQA with q/k/v biases (attention_bias), QK-norm (GLM-4.5's use_qk_norm; 4.5-Air has
+    # none), head_dim != hidden/heads and RoPE on the first half of each head (partial_rotary_factor 0.5, not
+    # interleaved), a dense first layer then MoE layers with shared experts (two here, so a shared-expert width that
+    # ignores n_shared_experts cannot pass), sigmoid router scores with the e_score_correction_bias, group-limited top-k
+    # (GLM-4.5 itself has n_group 1), norm_topk_prob and the routed scaling factor. No MTP layer.
+    "glm4_moe": dict(tie_word_embeddings=False, head_dim=32, partial_rotary_factor=0.5, attention_bias=True,
+                     use_qk_norm=True, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
+                     n_shared_experts=2, moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                     norm_topk_prob=True, num_nextn_predict_layers=0),
 }
 # ChatML, with tool calls written the way Qwen2.5's template writes them (a <tools> list in the system turn, tool calls
 # as <tool_call> JSON blocks in the assistant turn, tool results as <tool_response> blocks in a user turn). Without tools
@@ -132,7 +141,8 @@ def write_tiny_model(out_dir: str, family: str, seed: int = 0, dtype: torch.dtyp
             else:
                 p.copy_(0.08 * torch.randn(p.shape, generator=generator))
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias (a buffer, saved with the weights)
+            # DeepSeek-V3 / GLM-4.5's router bias (a buffer, saved with the weights)
+            if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=generator))
     model.to(dtype).save_pretrained(out_dir)
     if tokenizer == "char":

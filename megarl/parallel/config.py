@@ -20,6 +20,18 @@ class ModelShape:
     ffn_hidden_size: int
     num_experts: Optional[int] = None
     moe_ffn_hidden_size: Optional[int] = None
+    # What the dry run's memory estimate (megarl.launch.memory) also needs; None where config.json lacks them.
+    hidden_size: Optional[int] = None
+    vocab_size: Optional[int] = None
+    head_dim: Optional[int] = None  # None: hidden_size // num_attention_heads
+    num_dense_layers: Optional[int] = None  # MoE models: the first layers with a dense MLP (first_k_dense_replace)
+    shared_expert_ffn_hidden_size: Optional[int] = None  # all shared experts of a MoE layer together
+    q_lora_rank: Optional[int] = None  # multi-latent attention (DeepSeek-V3): its config.json fields
+    kv_lora_rank: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    tie_word_embeddings: bool = False
 
 
 @dataclass

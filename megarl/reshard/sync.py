@@ -68,12 +68,18 @@ class WeightSync:
         self.count += 1
         stats = {"sync_s": time.perf_counter() - start, "pushed_bytes": _sum(pushed_bytes),
                  "buckets": int(_sum(buckets)), "version": version}
-        due = self.count == 1 or self.cfg.verify_every == 1 or \
-            (self.cfg.verify_every and self.count % self.cfg.verify_every == 1)
-        if due if verify is None else verify:
+        if self._due(self.count) if verify is None else verify:
             stats.update(self.verify())
         self.last_stats = stats
         return stats
+
+    def _due(self, count: int) -> bool:
+        return count == 1 or self.cfg.verify_every == 1 or bool(self.cfg.verify_every and
+                                                                count % self.cfg.verify_every == 1)
+
+    def due(self) -> bool:
+        """Whether the next sync() verifies by default (the first, then every reshard.verify_every-th)."""
+        return self._due(self.count + 1)
 
     def verify(self) -> dict:
         start = time.perf_counter()

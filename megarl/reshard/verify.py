@@ -40,12 +40,15 @@ _FUSED = {  # engine name suffix -> HF name suffixes concatenated along dim 0
     "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    # DeepSeek-V3 / GLM-4.5 shared experts (SGLang's models/glm4_moe.py: shared_experts = an MLP with gate_up_proj)
+    "mlp.shared_experts.gate_up_proj.weight": ("mlp.shared_experts.gate_proj.weight",
+                                               "mlp.shared_experts.up_proj.weight"),
 }
 # The routed experts' HF names, per family: the module holding them -> {HF projection name: its role}. Every family's
 # engine fuses the gate and up projections of a layer's experts into w13_weight and the down projections into
 # w2_weight; the roles are named as Qwen-MoE names the projections.
 _EXPERT_PROJECTIONS = {
-    "mlp": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},  # Qwen-MoE, DeepSeek-V3
+    "mlp": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},  # Qwen-MoE, DeepSeek-V3, GLM-4.5
     "block_sparse_moe": {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},  # Mixtral
 }
 _EXPERT_ROLES = ("gate_proj", "up_proj", "down_proj")
@@ -114,7 +117,10 @@ def engine_shapes(hf_config, tp: int, cpu: bool) -> EngineShapes:
     return EngineShapes(tp=tp, head_dim=head_dim, heads=heads, kv_heads=kv, intermediate=sizes["intermediate_size"],
                         # Mixtral has no moe_intermediate_size: its experts are intermediate_size wide
                         moe_intermediate=sizes["moe_intermediate_size"] or sizes["intermediate_size"],
-                        shared_expert_intermediate=sizes["shared_expert_intermediate_size"],
+                        # Qwen2-MoE's field; DeepSeek-V3 / GLM-4.5: n_shared_experts x the (padded) expert width
+                        shared_expert_intermediate=sizes["shared_expert_intermediate_size"] or
+                        (sizes["moe_intermediate_size"] * get("n_shared_experts")
+                         if sizes["moe_intermediate_size"] and get("n_shared_experts") else None),
                         vocab=_round_up(hf_config.vocab_size, padding))
 
 
@@ -122,7 +128,8 @@ def shard_rule(hf_name: str, shapes: EngineShapes) -> tuple[int, int] | None:
     """(dim, padded size along dim) of the engine's TP split of this HF tensor; None: every rank holds all of it."""
     s = shapes
     intermediate = s.moe_intermediate if ".experts." in hf_name else \
-        s.shared_expert_intermediate if ".shared_expert." in hf_name else s.intermediate
+        s.shared_expert_intermediate if (".shared_expert." in hf_name or ".shared_experts." in hf_name) else \
+        s.intermediate
     rules = {"embed_tokens.weight": (0, s.vocab), "lm_head.weight": (0, s.vocab),
              "q_proj.weight": (0, s.heads * s.head_dim), "q_proj.bias": (0, s.heads * s.head_dim),
              "k_proj.weight": (0, s.kv_heads * s.head_dim), "k_proj.bias": (0, s.kv_heads * s.head_dim),

@@ -5,9 +5,11 @@ A reward function is `fn(response: str, answer: str | None, **kwargs) -> float`.
 parses the reference and the response, LaTeX or plain, and checks mathematical equivalence), `exact_match`
 (whitespace/case-normalised string, or numeric, equality), `code` (the response's last Python block runs in
 megarl.sandbox and is judged outside it against the answer's tests: 1.0 when all pass; see megarl.rewards.code).
-`reward.name: "my_pkg.rewards:score"` loads a user function by dotted path.
+`reward.name: "my_pkg.rewards:score"` loads a user function by dotted path. `judge` is a generative reward: a model
+served by an engine pool judges each response (megarl.rewards.judge; scored by the rollout, not in this pool).
 """
 from . import code  # registers "code" (tests run in the sandbox)
+from . import judge as _judge  # registers "judge" (a generative reward, scored by the rollout through its pool)
 from .functions import REWARDS, exact_match, math_reward, register_reward, resolve_reward
 from .pool import RewardPool
 from ..sandbox import SandboxLimits, SandboxResult, SandboxUnavailable, check_sandbox, run_python

@@ -30,6 +30,13 @@ class Completion:
     # with return_routed_experts (server --enable-return-routed-experts): the MoE experts each position of
     # prompt + output[:-1] was routed to, flat [positions * layers * top-k] int32 (a tensor: it is large)
     routed_experts: "torch.Tensor | None" = None
+    # which weights sampled which output tokens: runs of (token count, weight_version), in order. One run unless the
+    # request was aborted by a weight update and continued under the new weights (EngineRouter, partial rollouts).
+    segments: list[tuple[int, str | None]] | None = None
+
+    def __post_init__(self):
+        if self.segments is None:
+            self.segments = [(len(self.output_ids), self.weight_version)]
 
 
 class EngineClient:

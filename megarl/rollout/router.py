@@ -1,4 +1,14 @@
-"""Data-parallel rollout over several SGLang servers: split a batch across engines, round-robin or least-loaded."""
+"""Data-parallel rollout over several SGLang servers: split a batch across engines, round-robin or least-loaded.
+
+Partial rollouts (asynchronous RL): a weight update does not wait for long generations. `pause_for_update()` makes
+every engine abort its in-flight requests (SGLang's /pause_generation, mode "abort": each returns what it generated so
+far); the trainer pushes the new weights while the engines are paused; `continue_after_update()` resumes them. A
+`generate(..., resume_aborted=True)` call continues each aborted request from its own tokens (prompt + output so far,
+the remaining token budget) under the new weights, and joins the pieces: the completion's `segments` say which
+weight version sampled which tokens, and every token keeps the log-prob of the distribution it was sampled from.
+SGLang's in-place pause would keep the KV cache but cannot say at which token the weights changed; abort-and-continue
+recomputes the prefix once and keeps every token's version exact.
+"""
 from __future__ import annotations
 
 import threading
@@ -7,6 +17,16 @@ from concurrent.futures import ThreadPoolExecutor
 from .client import Completion, EngineClient
 
 POLICIES = ("round_robin", "least_loaded")
+MAX_CONTINUATIONS = 64  # an engine that keeps aborting one request is failing: its last piece is returned as aborted
+
+
+def _continued(first: Completion, rest: Completion) -> Completion:
+    """`first` (aborted) followed by `rest`, the continuation sampled from prompt + first's output."""
+    return Completion(
+        prompt_ids=first.prompt_ids, output_ids=first.output_ids + rest.output_ids,
+        output_log_probs=first.output_log_probs + rest.output_log_probs, finish_reason=rest.finish_reason,
+        weight_version=rest.weight_version, routed_experts=rest.routed_experts,  # rest's covers every position
+        segments=[s for s in first.segments + rest.segments if s[0]])
 
 
 class EngineRouter:
@@ -34,30 +54,82 @@ class EngineRouter:
                 picks.append(engine)
             return picks
 
-    def generate(self, prompts: list[list[int]], sampling_params: dict | list[dict], **kwargs) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling_params: dict | list[dict], resume_aborted: bool = False,
+                 **kwargs) -> list[Completion]:
         """Completions in prompt order; each engine gets one batched request with its share of the prompts.
-        sampling_params: one dict for all prompts, or one per prompt (e.g. per-request sampling seeds)."""
-        picks = self._assign(len(prompts))
+        sampling_params: one dict for all prompts, or one per prompt (e.g. per-request sampling seeds).
+        resume_aborted: requests a weight update aborted are continued (see the module docstring)."""
+        results = self._generate_once(prompts, sampling_params, **kwargs)
+        if not resume_aborted:
+            return results
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        for piece in range(1, MAX_CONTINUATIONS + 1):
+            todo = [i for i, c in enumerate(results)
+                    if c.finish_reason == "abort" and len(c.output_ids) < params[i]["max_new_tokens"]]
+            if not todo:
+                break
+            more = self._generate_once([list(prompts[i]) + results[i].output_ids for i in todo],
+                                       [_continuation(params[i], piece, len(results[i].output_ids)) for i in todo],
+                                       **kwargs)
+            for i, c in zip(todo, more):
+                results[i] = _continued(results[i], c)
+        for i, c in enumerate(results):  # aborted exactly at its budget: the budget ended it
+            if c.finish_reason == "abort" and len(c.output_ids) >= params[i]["max_new_tokens"]:
+                c.finish_reason = "length"
+        return results
+
+    def _generate_once(self, prompts: list[list[int]], sampling_params: dict | list[dict],
+                       **kwargs) -> list[Completion]:
+        def call(client: EngineClient, indices: list[int]) -> list[Completion]:
+            params = [sampling_params[i] for i in indices] if isinstance(sampling_params, list) else sampling_params
+            return client.generate([prompts[i] for i in indices], params, **kwargs)
+
+        return self._spread(len(prompts), call)
+
+    def prompt_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(seq[t] | seq[:t]) for t >= 1 of each sequence (EngineClient.prompt_log_probs: prefill only), in
+        sequence order; spread over the engines like generate (one batched request per engine)."""
+        return self._spread(len(sequences), lambda client, indices: client.prompt_log_probs(
+            [sequences[i] for i in indices]))
+
+    def _spread(self, n: int, call) -> list:
+        """call(client, indices) -> one result per index, for the n items split over the engines by the policy (each
+        engine's share in one concurrent call); the results in item order."""
+        picks = self._assign(n)
         by_engine: dict[int, list[int]] = {}
         for index, engine in enumerate(picks):
             by_engine.setdefault(engine, []).append(index)
 
         def run(engine: int, indices: list[int]):
             try:
-                params = [sampling_params[i] for i in indices] if isinstance(sampling_params, list) \
-                    else sampling_params
-                return self.clients[engine].generate([prompts[i] for i in indices], params, **kwargs)
+                return call(self.clients[engine], indices)
             finally:
                 with self._lock:
                     self.in_flight[engine] -= len(indices)
 
         futures = {engine: self._pool.submit(run, engine, indices) for engine, indices in by_engine.items()}
-        results: list[Completion | None] = [None] * len(prompts)
+        results: list = [None] * n
         for engine, future in futures.items():
-            for index, completion in zip(by_engine[engine], future.result()):
-                results[index] = completion
+            for index, result in zip(by_engine[engine], future.result()):
+                results[index] = result
         return results
+
+    def pause_for_update(self) -> None:
+        """Every engine aborts its in-flight requests and holds new ones until continue_after_update()."""
+        self.broadcast("pause", "abort")
+
+    def continue_after_update(self) -> None:
+        self.broadcast("resume")
 
     def broadcast(self, method: str, *args, **kwargs) -> list:
         """Call a control method (pause, flush_cache, ...) on every engine."""
         return [getattr(client, method)(*args, **kwargs) for client in self.clients]
+
+
+def _continuation(params: dict, piece: int, generated: int) -> dict:
+    """The sampling params of a continuation: the remaining budget, and its own sampling seed (the first piece's seed
+    would replay the first piece's random stream)."""
+    out = dict(params, max_new_tokens=params["max_new_tokens"] - generated)
+    if "sampling_seed" in out:
+        out["sampling_seed"] = (out["sampling_seed"] * 1_000_003 + piece) % (1 << 63)
+    return out

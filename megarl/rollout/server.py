@@ -102,7 +102,10 @@ def server_command(cfg: ServerConfig, port: int | str, on_gpu: bool | None = Non
     if skipped:
         env.setdefault("SGLANG_DISABLED_MODEL_ARCHS", ",".join(skipped))
     if not on_gpu:
-        cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+        # --sleep-on-idle: an idle SGLang scheduler otherwise polls for requests in a busy loop, one core at 100%
+        # (sglang's device.sleep_on_idle defaults off), taken from the trainer on a CPU machine; with it the scheduler
+        # waits on its sockets (zmq poll: a request wakes it at once). Measured idle: 0.01 core instead of a busy one.
+        cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--sleep-on-idle"]
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (CPU_STANDINS, env.get("PYTHONPATH")) if p)
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -161,16 +164,23 @@ def engine_server_config(cfg, model_path: str, index: int = 0, host: str = "127.
     deterministic sampling and the MoE routing option. base_gpu_id: several engines on one GPU node."""
     e, r = cfg.rollout.engine, cfg.rollout
     routing = getattr(r, "return_routed_experts", False) or getattr(r, "routing_replay", False)
+    rl = getattr(cfg, "rl", None)
+    # Partial rollouts abort requests while they decode (megarl.rollout.router). SGLang 0.5.23's overlap scheduler
+    # can crash on that abort (IndexError in ScheduleBatch.filter_batch -> sampling_info.filter_batch, seen on CPU
+    # in benchmarks/async_rl.py): those engines run the plain event loop.
+    partial = rl is not None and getattr(rl, "max_staleness", 0) > 0 and getattr(rl, "partial_rollouts", False)
     return ServerConfig(
         model_path=model_path, host=host, port=port, dtype=getattr(e, "dtype", None), tp_size=e.tp_size,
         max_total_tokens=e.max_total_tokens, mem_fraction_static=e.mem_fraction_static,
         random_seed=cfg.seed + index, seeded_sampling=r.deterministic, startup_timeout_s=e.startup_timeout_s,
         startup_retries=getattr(e, "startup_retries", 1), base_gpu_id=base_gpu_id,
         log_dir=log_dir or os.path.join(cfg.run_dir, "engine"),
-        extra_args=list(e.extra_args) + (["--enable-return-routed-experts"] if routing else []))
+        extra_args=list(e.extra_args) + (["--enable-return-routed-experts"] if routing else []) +
+        (["--disable-overlap-schedule"] if partial else []))
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """This process is killed (SIGKILL) when the process that started it dies (Linux)."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -204,7 +214,7 @@ class SGLangServer:
             # Own process group (stop() ends all of it), and on Linux the server dies with the trainer process
             # that started it, even after a SIGKILL of the trainer (SGLang's own children follow their parent).
             self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True, preexec_fn=_die_with_parent)
+                                            start_new_session=True, preexec_fn=die_with_parent)
         return self
 
     def wait_ready(self) -> "SGLangServer":

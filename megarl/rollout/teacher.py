@@ -8,15 +8,14 @@ engines are resharded into.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import os
-import threading
 
 import numpy as np
 
 from ..errors import UserError
 from .client import EngineClient
+from .router import EngineRouter
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +55,14 @@ def check_same_tokenizer(policy_path: str, teacher_path: str, field: str = "teac
 
 
 class Teacher:
-    """Log-probs of sampled tokens under the teacher, from one or more teacher engines (round-robin per request)."""
+    """Log-probs of sampled tokens under the teacher, from one or more teacher engines (each request's sequences
+    spread over them by an EngineRouter, as the policy's rollouts are)."""
 
-    def __init__(self, clients: list[EngineClient]):
+    def __init__(self, clients: list[EngineClient], policy: str = "least_loaded"):
         if not clients:
             raise ValueError("Teacher needs at least one engine client")
         self.clients = clients
-        self._next = itertools.cycle(range(len(clients)))
-        self._lock = threading.Lock()
+        self.router = EngineRouter(clients, policy)
 
     def check_tokenizer(self, policy_path: str) -> None:
         """teacher.urls: each running server says where its tokenizer is (SGLang's /model_info); one on this machine
@@ -79,15 +78,15 @@ class Teacher:
 
     def response_log_probs(self, prompts: list, responses: list) -> list[np.ndarray]:
         """For each (prompt ids, response ids): log p_teacher(response[j] | prompt + response[:j]) for every response
-        token, float32; one batched prefill request (EngineClient.prompt_log_probs: logprob_start_len=0, the teacher's
-        own distribution at temperature 1, whatever the rollout's sampling temperature)."""
-        with self._lock:
-            client = self.clients[next(self._next)]
+        token, float32; one batched prefill request per teacher engine (EngineClient.prompt_log_probs:
+        logprob_start_len=0, the teacher's own distribution at temperature 1, whatever the rollout's sampling
+        temperature)."""
         sequences = [list(map(int, p)) + list(map(int, r)) for p, r in zip(prompts, responses)]
         out = []
-        for seq, response, log_probs in zip(sequences, responses, client.prompt_log_probs(sequences)):
+        for seq, response, log_probs in zip(sequences, responses, self.router.prompt_log_probs(sequences)):
             if len(log_probs) != len(seq) - 1:
-                raise UserError(f"the teacher engine ({client.url}) returned {len(log_probs)} log-probs for a "
+                urls = ", ".join(c.url for c in self.clients)
+                raise UserError(f"a teacher engine ({urls}) returned {len(log_probs)} log-probs for a "
                                 f"{len(seq)}-token sequence (expected {len(seq) - 1}). Fix: serve the teacher with "
                                 "SGLang >= 0.5 (input_token_logprobs with logprob_start_len=0)")
             out.append(np.asarray(log_probs[len(log_probs) - len(response):] if len(response) else [],

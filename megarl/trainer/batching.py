@@ -38,6 +38,7 @@ class Sample:
     loss_mask: list[int] | np.ndarray | None = None  # per response token (multi-turn: 0 on observations); None: all
     routed_experts: torch.Tensor | list[int] | None = None  # the engine's MoE routing, flat [positions, layers, top-k]
     teacher_log_probs: list[float] | np.ndarray | None = None  # opd: the teacher's log-prob of each response token
+    token_versions: np.ndarray | None = None  # int32 per response token: the weight version that sampled it (-1: none)
     extra: dict = field(default_factory=dict)
 
 
@@ -59,6 +60,9 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.arange(total) + shift
 
 
+PER_TOKEN_OPTIONAL = ("teacher_log_probs", "token_versions")  # per response token, packed when the run needs them
+
+
 @dataclass
 class PackedRollout:
     """A list of samples as flat tensors. Sample i's prompt + response ids are the i-th run of seq_lens[i] tokens;
@@ -75,15 +79,16 @@ class PackedRollout:
     sample_index: torch.Tensor  # [n] int64, the sample's index in the step's sample list
     routed_experts: torch.Tensor | None = None  # [sum(seq_lens - 1) * layers * top-k], uint8 / int16 / int32
     teacher_log_probs: torch.Tensor | None = None  # [R] float32, one per response token (opd's teacher), or None
+    token_versions: torch.Tensor | None = None  # [R] int32: the weight version that sampled each response token
 
     @classmethod
     def from_samples(cls, samples: list[Sample], routing: bool = True, group_size: int | None = None,
-                     teacher: bool | None = None) -> "PackedRollout":
+                     teacher: bool | None = None, versions: bool = False) -> "PackedRollout":
         """Pack `samples`. sample_index: with group_size, the step-wide index group * group_size + j (j: the sample's
         place among this list's samples of its group), else the position in the list. routing=False leaves the MoE
         routing out. The samples' ids / log-probs / masks may be numpy arrays (the rollout makes them as each chunk
         returns: packing is then a concatenation) or lists. teacher: pack the teacher log-probs (None: when the
-        samples carry them)."""
+        samples carry them); versions: pack every response token's weight version (asynchronous RL)."""
         def flat(parts, dtype):
             return torch.from_numpy(np.concatenate([np.asarray(p, dtype=dtype) for p in parts] or
                                                    [np.zeros(0, dtype=dtype)]))
@@ -106,6 +111,11 @@ class PackedRollout:
             if any(s.teacher_log_probs is None or len(s.teacher_log_probs) != len(s.response_ids) for s in samples):
                 raise ValueError("every sample needs one teacher log-prob per response token")
             teacher_lp = flat((s.teacher_log_probs for s in samples), np.float32)
+        token_versions = None
+        if versions:
+            if any(s.token_versions is None or len(s.token_versions) != len(s.response_ids) for s in samples):
+                raise ValueError("every sample needs one weight version per response token")
+            token_versions = flat((s.token_versions for s in samples), np.int32)
         routed = None
         if routing and (not samples or samples[0].routed_experts is not None):
             entries = torch.cat([torch.as_tensor(s.routed_experts).reshape(-1) for s in samples]) if samples \
@@ -125,7 +135,7 @@ class PackedRollout:
                    baseline=torch.tensor([s.baseline for s in samples], dtype=torch.float32),
                    group=torch.tensor([s.group for s in samples], dtype=torch.long),
                    sample_index=torch.tensor(index, dtype=torch.long), routed_experts=routed,
-                   teacher_log_probs=teacher_lp)
+                   teacher_log_probs=teacher_lp, token_versions=token_versions)
 
     @classmethod
     def cat(cls, parts: list["PackedRollout"]) -> "PackedRollout":
@@ -158,8 +168,9 @@ class PackedRollout:
                    tokens=self.tokens[_ranges(_offsets(self.seq_lens)[index], seq)])
         response_at = _ranges(_offsets(self.response_lens)[index], resp)
         out.update(rollout_log_probs=self.rollout_log_probs[response_at], loss_mask=self.loss_mask[response_at])
-        if self.teacher_log_probs is not None:
-            out["teacher_log_probs"] = self.teacher_log_probs[response_at]
+        for name in PER_TOKEN_OPTIONAL:
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)[response_at]
         if self.routed_experts is not None:  # gathered by position rows ([positions, layers * top-k]), not entries
             positions = int((self.seq_lens - 1).sum())
             rows = self.routed_experts.view(positions, -1) if positions else self.routed_experts.view(0, 0)

@@ -1,7 +1,9 @@
 """Run checkpoints: model + optimizer (megatron-core dist_checkpointing, any layout can load them), LR schedule,
-trainer state (step, data cursor, rollout counter, metrics needed later) and every rank's RNG states.
+trainer state (step, data cursor, rollout counter, metrics needed later), every rank's RNG states and what a rank
+alone holds (asynchronous RL: its finished, untrained rollouts).
 
-    <run_dir>/checkpoints/step_000010/   dist_checkpointing files, trainer_state.json, rng/rank00000.pt ...
+    <run_dir>/checkpoints/step_000010/   dist_checkpointing files, trainer_state.json, rng/rank00000.pt,
+                                         rng/state00000.pt ...
     <run_dir>/checkpoints/latest         "step_000010" — moved last
 
 Atomic: everything is written into a temporary folder next to the final one, fsynced, renamed into place; only then
@@ -63,8 +65,10 @@ def write_atomic(path: str, text: str) -> None:
 
 
 def save_checkpoint(ckpt_root: str, step: int, chunks: list, optimizer, scheduler, trainer_state: dict,
-                    keep: int = 2, critic=None) -> str:
-    """Write step_<step> under ckpt_root (a collective over all ranks) and move `latest` to it."""
+                    keep: int = 2, critic=None, rank_state: dict | None = None) -> str:
+    """Write step_<step> under ckpt_root (a collective over all ranks) and move `latest` to it. rank_state: what
+    this rank alone holds (e.g. its untrained asynchronous rollouts), read back by load_checkpoint at the same world
+    size."""
     from megatron.core import dist_checkpointing
 
     rank = dist.get_rank()
@@ -78,6 +82,8 @@ def save_checkpoint(ckpt_root: str, step: int, chunks: list, optimizer, schedule
     dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False, critic=critic), tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)  # after the save: it wants an empty folder
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank:05d}.pt"))
+    if rank_state is not None:
+        torch.save(rank_state, os.path.join(tmp, "rng", f"state{rank:05d}.pt"))
     dist.barrier()
     if rank == 0:
         state = dict(trainer_state, step=step, scheduler=scheduler.state_dict() if scheduler else None,
@@ -138,4 +144,7 @@ def load_checkpoint(path: str, chunks: list, optimizer, scheduler, critic=None) 
         scheduler.load_state_dict(state["scheduler"])
     if rng_file and os.path.isfile(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))
+        rank_file = os.path.join(path, "rng", f"state{dist.get_rank():05d}.pt")
+        if os.path.isfile(rank_file):
+            state["rank_state"] = torch.load(rank_file, weights_only=False)
     return state

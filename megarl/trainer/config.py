@@ -139,19 +139,66 @@ class RolloutConfig:
 
 
 @dataclass
-class TeacherConfig:
-    """On-policy distillation's teacher (algorithm.advantage_estimator: opd): a model with the policy's tokenizer (any
-    size) whose log-probs of the sampled tokens the rollout asks for (prefill only). Either `model` (the trainer starts
-    one SGLang server for it, like the policy's engines, and never syncs weights into it) or `urls` (running SGLang
-    servers of the teacher)."""
-    model: Optional[str] = None  # a local HF folder; its tokenizer must equal the policy's
+class PoolConfig:
+    """An engine pool serving a model other than the policy (pools.<name>: a judge, verifier, meta-verifier; the
+    teacher: section is one too): either `model` (rank 0 starts `num_engines` SGLang servers for it through the policy
+    engines' ServerConfig builder, megarl.rollout.pools) or `urls` (running SGLang servers). Each pool has its own
+    EngineRouter; it never receives weight syncs (only the policy's rollout.engine does)."""
+    model: Optional[str] = None  # a local HF folder
     urls: list = field(default_factory=list)
-    tp_size: int = 1  # the teacher engine's tensor-parallel size (teacher.model)
-    dtype: Optional[str] = None  # the teacher engine's weights: None = float32 on CPU, bfloat16 on GPU
+    tp_size: int = 1  # each server's tensor-parallel size (model)
+    dtype: Optional[str] = None  # the engines' weights: None = float32 on CPU, bfloat16 on GPU
+    num_engines: int = 1  # servers started for `model`
+    max_total_tokens: Optional[int] = None  # None: rollout.engine.max_total_tokens
+    router_policy: str = "least_loaded"  # round_robin | least_loaded (megarl.rollout.router)
+    # the tokenizer whose chat template renders the pool's prompts (a judge's); None: `model`, or with `urls` the
+    # folder the server reports (SGLang /model_info), which must then be on this machine
+    tokenizer: Optional[str] = None
 
     @property
     def enabled(self) -> bool:
         return bool(self.model or self.urls)
+
+
+@dataclass
+class TeacherConfig(PoolConfig):
+    """On-policy distillation's teacher (algorithm.advantage_estimator: opd): a pool (see PoolConfig) whose model has
+    the policy's tokenizer (any size) and whose log-probs of the sampled tokens the rollout asks for (prefill only).
+    teacher.model: the trainer starts one SGLang server for it, like the policy's engines, and never syncs weights
+    into it; teacher.urls: running SGLang servers of the teacher."""
+
+
+@dataclass
+class JudgeStage:
+    """One generative-reward model call (megarl.rewards.judge): the prompt rendered with the judge model's chat
+    template, n sampled judgements, each parsed to a score, reduced to one."""
+    pool: str = "judge"  # the pools: entry that serves this model
+    # the user message; {prompt} (the policy's prompt text), {response} (its final answer text), {answer} (the
+    # reference, "" when none) and, for a meta-verifier, {analysis} (the verifier's text) are replaced; other braces
+    # stay as written (\boxed{} needs no escaping). None: megarl.rewards.judge's VERIFIER_TEMPLATE / META_TEMPLATE
+    template: Optional[str] = None
+    system: Optional[str] = None  # a system message before it
+    n: int = 1  # judgements sampled per response
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    # text -> score: the last match of `pattern` (its first non-empty group, as a number; None: megarl.rewards.judge's
+    # DEFAULT_PATTERN, the last \boxed{x} or "Score: x"), or `parser`, a "package.module:function" taking the text and
+    # returning a number or None (unparseable)
+    pattern: Optional[str] = None
+    parser: Optional[str] = None
+    reduce: str = "mean"  # mean | majority (the most frequent score; ties: the lowest)
+    # an unparseable judgement (counted in reward/judge_parse_errors): `score` counts it as parse_error_score, `skip`
+    # leaves it out of the reduction (a response whose n judgements all fail scores parse_error_score)
+    on_parse_error: str = "score"
+    parse_error_score: float = 0.0
+
+
+@dataclass
+class JudgeConfig(JudgeStage):
+    """reward.name: judge. meta_verifier (DeepSeekMath-V2): a second model reads each parsed verifier analysis
+    ({analysis}) and scores its faithfulness in [0, 1]; the response's score is then verifier x meta quality."""
+    meta_verifier: Optional[JudgeStage] = None
 
 
 @dataclass
@@ -172,6 +219,7 @@ class RewardConfig:
     workers: int = 2  # reward processes (off the training ranks' critical path)
     timeout_s: float = 10.0
     kwargs: dict = field(default_factory=dict)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # reward.name: judge (a generative reward)
 
 
 @dataclass
@@ -196,6 +244,13 @@ class RLConfig:
     # response per held-out prompt. Uses the reference model (the initial weights); without kl_coef > 0 this builds
     # it, i.e. one more frozen copy of the model in memory, and its log-probs are then also computed every step.
     forgetting_kl: bool = False
+    # Asynchronous RL (megarl.trainer.async_rollout): the engines generate the next steps' rollouts while Megatron
+    # trains. A token sampled by the weights of step v is trained at step t only if t - 1 - v <= max_staleness
+    # (0: the synchronous step). partial_rollouts: a weight update aborts the generations in flight, which continue
+    # under the new weights (every token records its version and log-prob); false: a fixed schedule (step t is
+    # generated entirely by the weights of step t - 1 - max_staleness), reproducible with rollout.deterministic.
+    max_staleness: int = 0
+    partial_rollouts: bool = True
 
 
 @dataclass
@@ -284,6 +339,7 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    pools: dict = field(default_factory=dict)  # name -> PoolConfig: more models served by SGLang (judges, verifiers)
     reward: RewardConfig = field(default_factory=RewardConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -314,6 +370,9 @@ class TrainConfig:
                      "env.max_response_tokens"):
             if self._value(name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {self._value(name)}")
+        if not isinstance(self.rl.max_staleness, int) or self.rl.max_staleness < 0:
+            raise ConfigError(f"rl.max_staleness must be an integer >= 0 (0: synchronous steps), "
+                              f"got {self.rl.max_staleness!r}")
         from ..algorithms.advantages import NEEDS_GROUPS
 
         if self.algorithm.advantage_estimator in NEEDS_GROUPS and self.rollout.n_samples < 2:
@@ -355,6 +414,7 @@ class TrainConfig:
                 raise ConfigError(str(e)) from None
         self._validate_dpo()
         self._validate_teacher()
+        self._validate_pools()
         if not 0.0 <= self.data.synthetic.sft_tool_share <= 1.0:
             raise ConfigError(f"data.synthetic.sft_tool_share={self.data.synthetic.sft_tool_share} must be in [0, 1]")
         if self.algorithm.temperature != self.rollout.temperature:
@@ -411,12 +471,51 @@ class TrainConfig:
                               f"{estimator} does not use a teacher. Fix: advantage_estimator: opd, or unset teacher")
         if t.tp_size < 1:
             raise ConfigError(f"teacher.tp_size must be >= 1, got {t.tp_size}. Fix: e.g. teacher.tp_size=1")
+        if t.num_engines != 1:
+            raise ConfigError(f"teacher.num_engines={t.num_engines}: the trainer starts one teacher server. Fix: "
+                              "teacher.num_engines: 1, or start several yourself and list them in teacher.urls")
         if t.dtype is not None:
             _choice("teacher.dtype", t.dtype, ("bfloat16", "float32"))
         if estimator == "opd" and self.algorithm.opd_reward_weight and self.rollout.n_samples < 2:
             raise ConfigError(f"algorithm.opd_reward_weight={self.algorithm.opd_reward_weight} mixes in the task "
                               f"reward's GRPO advantage, which needs rollout.n_samples >= 2 (got "
                               f"{self.rollout.n_samples}). Fix: rollout.n_samples: 4, or opd_reward_weight: 0")
+
+    def _validate_pools(self) -> None:
+        """pools.<name> -> PoolConfig (unknown keys and wrong types named by their dotted field), each checked; the
+        judge reward's stages name existing pools."""
+        from ..config import build
+        from ..rollout.router import POLICIES
+
+        if not isinstance(self.pools, dict):
+            raise ConfigError(f"pools must be a mapping of pool name -> pool settings, got {self.pools!r}. Fix: e.g. "
+                              "pools: {judge: {model: /path/to/judge}}")
+        pools = {}
+        for name, raw in self.pools.items():
+            if name in ("policy", "teacher"):
+                raise ConfigError(f"pools.{name} is reserved ({'rollout.engine' if name == 'policy' else 'teacher:'} "
+                                  f"configures it). Fix: rename the pool, e.g. pools.judge")
+            pool = raw if isinstance(raw, PoolConfig) else build(PoolConfig, raw, f"pools.{name}.")
+            pools[name] = pool
+            if pool.model and pool.urls:
+                raise ConfigError(f"pools.{name}.model and pools.{name}.urls are both set. Fix: set model (the trainer "
+                                  "starts the engines) or urls (running engines), not both")
+            if not pool.enabled:
+                raise ConfigError(f"pools.{name} has neither model nor urls. Fix: set pools.{name}.model (an HF "
+                                  f"folder) or pools.{name}.urls (running SGLang servers)")
+            for key in ("tp_size", "num_engines"):
+                if getattr(pool, key) < 1:
+                    raise ConfigError(f"pools.{name}.{key} must be >= 1, got {getattr(pool, key)}. Fix: e.g. 1")
+            if pool.dtype is not None:
+                _choice(f"pools.{name}.dtype", pool.dtype, ("bfloat16", "float32"))
+            _choice(f"pools.{name}.router_policy", pool.router_policy, POLICIES)
+        self.pools = pools
+        if self.reward.name == "judge":
+            stages = [("reward.judge", self.reward.judge)]
+            if self.reward.judge.meta_verifier is not None:
+                stages.append(("reward.judge.meta_verifier", self.reward.judge.meta_verifier))
+            for field_name, stage in stages:
+                _validate_judge_stage(field_name, stage, pools, meta=field_name.endswith("meta_verifier"))
 
     def _validate_placement(self) -> None:
         engine = self.rollout.engine
@@ -457,6 +556,31 @@ class TrainConfig:
     def _value(self, dotted: str):
         section, key = dotted.split(".")
         return getattr(getattr(self, section), key)
+
+
+def _validate_judge_stage(name: str, stage: JudgeStage, pools: dict, meta: bool) -> None:
+    if stage.pool not in pools:
+        raise ConfigError(f"{name}.pool={stage.pool!r} names no pool (pools: {sorted(pools)}). Fix: add "
+                          f"pools.{stage.pool}.model (or .urls), or set {name}.pool to one of them")
+    for key in ("n", "max_new_tokens"):
+        if getattr(stage, key) < 1:
+            raise ConfigError(f"{name}.{key} must be >= 1, got {getattr(stage, key)}. Fix: e.g. {name}.{key}=1")
+    if stage.temperature < 0 or not 0 < stage.top_p <= 1:
+        raise ConfigError(f"{name}: temperature={stage.temperature} must be >= 0 and top_p={stage.top_p} in (0, 1]. "
+                          f"Fix: e.g. {name}.temperature=1.0, {name}.top_p=1.0")
+    _choice(f"{name}.reduce", stage.reduce, ("mean", "majority"))
+    _choice(f"{name}.on_parse_error", stage.on_parse_error, ("score", "skip"))
+    required = ("{response}", "{analysis}") if meta else ("{response}",)
+    missing = [p for p in required if stage.template is not None and p not in stage.template]
+    if missing:
+        raise ConfigError(f"{name}.template has no {' or '.join(missing)} placeholder: the judge would not see what "
+                          f"it judges. Fix: put {' and '.join(missing)} into the template (or unset it: the default)")
+    from ..rewards.judge import make_parser
+
+    try:
+        make_parser(stage.pattern, stage.parser)
+    except ValueError as e:
+        raise ConfigError(f"{name}.{'parser' if stage.parser else 'pattern'}: {e}") from None
 
 
 def _choice(name: str, value, choices) -> None:

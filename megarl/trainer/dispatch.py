@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import Groups
-from .batching import BatchPlan, PackedRollout
+from .batching import PER_TOKEN_OPTIONAL, BatchPlan, PackedRollout
 
 _DTYPES = [torch.int32, torch.int64, torch.uint8, torch.int16, torch.float32]
 _PER_SAMPLE = ("seq_lens", "prompt_lens", "score", "baseline", "group", "sample_index")
 _PER_RESPONSE_TOKEN = ("rollout_log_probs", "loss_mask")
 _FIXED = {"seq_lens": torch.int64, "prompt_lens": torch.int64, "score": torch.float32, "baseline": torch.float32,
           "group": torch.int64, "sample_index": torch.int64, "rollout_log_probs": torch.float32,
-          "loss_mask": torch.uint8, "teacher_log_probs": torch.float32}
+          "loss_mask": torch.uint8, "teacher_log_probs": torch.float32, "token_versions": torch.int32}
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Shape:
     routing: int  # entries of the MoE routing (-1: none)
     tokens_dtype: int
     routing_dtype: int
-    teacher: int  # 1: the teacher's log-prob of every response token travels too (opd)
+    optional: int  # bit i set: PER_TOKEN_OPTIONAL[i] travels too (opd's teacher log-probs, async token versions)
     rows: int
     seq_len: int
     num_microbatches: int
@@ -48,11 +48,13 @@ class Shape:
         routed = share.routed_experts
         return cls(share.num_samples, share.tokens.numel(), share.rollout_log_probs.numel(),
                    -1 if routed is None else routed.numel(), _DTYPES.index(share.tokens.dtype),
-                   0 if routed is None else _DTYPES.index(routed.dtype), int(share.teacher_log_probs is not None),
+                   0 if routed is None else _DTYPES.index(routed.dtype),
+                   sum(1 << i for i, name in enumerate(PER_TOKEN_OPTIONAL) if getattr(share, name) is not None),
                    rows, seq_len, num_microbatches)
 
     def empty(self) -> PackedRollout:
-        per_token = _PER_RESPONSE_TOKEN + (("teacher_log_probs",) if self.teacher else ())
+        per_token = _PER_RESPONSE_TOKEN + tuple(name for i, name in enumerate(PER_TOKEN_OPTIONAL)
+                                                if self.optional >> i & 1)
         sizes = {name: self.samples for name in _PER_SAMPLE} | {name: self.response_tokens for name in per_token}
         out = {name: torch.empty(n, dtype=_FIXED[name]) for name, n in sizes.items()}
         out["tokens"] = torch.empty(self.tokens, dtype=_DTYPES[self.tokens_dtype])

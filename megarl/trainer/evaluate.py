@@ -59,7 +59,7 @@ def run_eval(cfg, samples: int | None = None, responses: str | None = None, out:
     out = out or os.path.join(cfg.run_dir, "eval")
     trainer = RLTrainer(cfg, metrics_log=False)
     try:
-        trainer.sync_weights(f"eval-step-{trainer.step}", verify=True)
+        trainer.sync_weights(trainer.step, verify=True)
         result: dict = {"step": trainer.step}
         if samples:
             cfg.rl.eval_samples = samples

@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 from .. import parallel, platform
 from ..algorithms import compute_advantages, entropy_split, kl_estimate, loss_phases
+from ..algorithms.advantages import RETURNS_TEACHER_LOG_RATIO
 from ..algorithms.dynamics import UpdateSparsity, kl_sums
-from ..config import to_dict
+from ..config import ConfigError, to_dict
 from ..errors import about, on_rank0, on_ranks
 from ..data import ChatTokenizer, load_prompts
 from ..losses import TokenBatch, compute_log_probs, compute_values, prepare_global_batch, train_step
@@ -31,8 +32,10 @@ from ..models.moe import RoutingStats, load_balance_metrics
 from ..reshard import TRANSPORTS, SyncConfig, TransportOptions, WeightSync
 from ..rewards import RewardPool
 from ..rollout import EngineClient, EngineRouter, SGLangServer
+from ..rollout.pools import EnginePools, pool_server_config
 from ..rollout.server import engine_server_config
 from ..rollout.teacher import Teacher, check_same_tokenizer
+from .async_rollout import RolloutBatch, RolloutProducer, lag_stats, sample_version_stats, version_name
 from .batching import BatchPlan, PackedRollout, RankBatch
 from .dispatch import dispatch
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -68,6 +71,11 @@ def dumped_samples(run_dir: str, step: int) -> list[dict]:
 class RLTrainer:
     def __init__(self, cfg, metrics_log: bool = True):
         self.cfg, self.started = cfg, time.perf_counter()
+        if cfg.rl.max_staleness and platform.on_gpu() and cfg.rollout.placement == "colocated" and \
+                not cfg.rollout.engine.urls:
+            raise ConfigError("rl.max_staleness > 0 needs engines that generate while Megatron trains, but colocated "
+                              "engines give their GPU memory to training: set rollout.placement: disaggregated (or "
+                              "rollout.engine.urls), or rl.max_staleness: 0")
         parallel.init_distributed(parallel=cfg.parallel)  # the groups: once the model shape is known
         self.rank = dist.get_rank()
         self.model_path = prepare_model_folder(cfg)
@@ -75,12 +83,14 @@ class RLTrainer:
             on_rank0(lambda: check_same_tokenizer(self.model_path, cfg.teacher.model))
         self.servers = self._launch_engines()
         self.teacher_server = self._launch_teacher()
+        self.pools = EnginePools(cfg, self.rank).launch()  # pools.<name> (judges, verifiers): never weight-synced
         try:
             self._build(cfg, metrics_log)
         except BaseException:  # the engines launched above do not outlive a failed set-up
             for server in self.servers + [self.teacher_server]:
                 if server is not None:
                     server.stop()
+            self.pools.stop()
             raise
 
     def _build(self, cfg, metrics_log: bool) -> None:
@@ -88,7 +98,9 @@ class RLTrainer:
         self.groups = parallel.groups()
         self.pg = self.groups.mcore  # megatron-core's ProcessGroupCollection: passed to every collective below
         self.dp_rank, self.dp_size = self.groups.dp_rank, self.groups.dp_size
-        self._samples, self._packed, self._plan = [], None, None  # rank 0: the step's rollout (see _collect)
+        self._batch: RolloutBatch | None = None  # a rollout worker: its share of the step's rollout (see _collect)
+        self.producer: RolloutProducer | None = None  # rl.max_staleness > 0: the rollouts of the next steps
+        self._queued: list[RolloutBatch] = []  # asynchronous rollouts restored from a checkpoint
         self.tok = ChatTokenizer.from_pretrained(self.model_path)
         updates = cfg.rl.steps * cfg.rl.ppo_epochs * cfg.rl.mini_batches
         self.policy = build_policy(folder, cfg.optim, updates, load=resolve_load(cfg),
@@ -125,6 +137,7 @@ class RLTrainer:
         on_ranks(self._start_worker, here=self.rank in self.worker_ranks)
         urls = on_rank0(self._start_rank0)
         teacher_urls = on_rank0(self._start_teacher) if cfg.teacher.enabled else []
+        pool_urls = on_rank0(self.pools.wait_ready) if cfg.pools else {}
         self.clients = [EngineClient(server=s) for s in self.servers] if self.servers else \
             [EngineClient(url) for url in urls]
         if self.rank in self.worker_ranks:
@@ -133,7 +146,9 @@ class RLTrainer:
             # sync ever reaches them
             teacher = Teacher([EngineClient(server=self.teacher_server) if self.teacher_server else EngineClient(u)
                                for u in teacher_urls]) if teacher_urls else None
-            self.rollout = Rollout(cfg, self.tok, self.router, self.rewards, tools=self._tools, teacher=teacher)
+            # the other pools (a judge's): their own routers, also never in self.clients (no weight sync)
+            self.rollout = Rollout(cfg, self.tok, self.router, self.rewards, tools=self._tools, teacher=teacher,
+                                   pools=self.pools.routers(pool_urls))
         e = cfg.rollout.engine
         self.syncs = []
         for i, client in enumerate(self.clients):
@@ -199,16 +214,10 @@ class RLTrainer:
         """opd with teacher.model: rank 0 launches ONE more SGLang server for the teacher, through the policy engines'
         ServerConfig builder (its own log folder, TP size and dtype; GPUs after the policy engines'), at the same
         moment as those (see _launch_engines)."""
-        cfg, e = self.cfg, self.cfg.rollout.engine
+        cfg = self.cfg
         if self.rank != 0 or not cfg.teacher.model or (platform.on_gpu() and not now):
             return None
-        from dataclasses import replace
-
-        base = engine_server_config(cfg, cfg.teacher.model, e.num_engines,
-                                    log_dir=os.path.join(cfg.run_dir, "engine", "teacher"),
-                                    base_gpu_id=e.num_engines * e.tp_size)
-        return SGLangServer(replace(base, tp_size=cfg.teacher.tp_size, dtype=cfg.teacher.dtype,
-                                    extra_args=list(e.extra_args))).launch()  # no MoE routing flag: never replayed
+        return SGLangServer(pool_server_config(cfg, "teacher", cfg.teacher)).launch()  # the teacher is a pool too
 
     def _start_teacher(self) -> list[str]:
         """Rank 0: the teacher's URLs (teacher.urls, tokenizers checked where visible; or the server this job started,
@@ -228,8 +237,12 @@ class RLTrainer:
                                      critic=self.critic)
         self.step = self.state["step"]
         if self.rank in self.worker_ranks:  # every worker keeps the same prompt stream
-            self.stream.load(self.state["data"])
-            logger.info("resumed from %s (step %d)", path, self.step)
+            # asynchronous RL: the finished, untrained rollouts saved with the checkpoint come first, then the
+            # prompts after them; without them (another world size), their prompts are generated again
+            self._queued = self.state.pop("rank_state", {}).get("rollouts", [])
+            self.stream.load(self.state["data"] if self._queued else self.state.get("data_untrained",
+                                                                                   self.state["data"]))
+            logger.info("resumed from %s (step %d, %d rollouts ahead)", path, self.step, len(self._queued))
 
     # ------------------------------------------------------------------------------------------- the RL step
     def step_once(self, step: int) -> dict:
@@ -239,13 +252,17 @@ class RLTrainer:
         # 1. Rollout: the rollout workers (rollout.workers) ask the engines for n samples per prompt of their share
         #    and score them, pack them as tensors and agree on the plan (whole groups per DP rank, balanced tokens,
         #    micro-batches by token budget).
+        #    With rl.max_staleness > 0 the producer thread collected it while earlier steps trained.
         with timer("rollout"):
-            stats = on_ranks(lambda: self._collect(step), here=self.rank in self.worker_ranks) or {}
+            self._batch = on_ranks(lambda: self.producer.take(step) if self.producer else self._collect(step),
+                                   here=self.rank in self.worker_ranks)
+        stats = dict(self._batch.stats) if self._batch is not None else {}
         self._engines("release_memory")  # colocated GPUs: the engine's memory goes to training (no-op on CPU)
 
         # 2. This DP rank's rows, and only those, arrive as tensors (megarl.trainer.dispatch).
         with timer("dispatch"):
-            got = dispatch(self._packed, self._plan, self.groups, sources=tuple(self.worker_ranks))
+            held = self._batch or RolloutBatch(step, [], None, None, {}, {}, {})
+            got = dispatch(held.packed, held.plan, self.groups, sources=tuple(self.worker_ranks))
             rb = RankBatch(got.share.token_batch(got.rows, got.seq_len, self.tok.pad_id, self._routing_shape()),
                            got.share, got.num_microbatches)
         batch = rb.batch
@@ -268,6 +285,8 @@ class RLTrainer:
             mismatch.update(self._entropy_dynamics(old_entropy, batch.loss_mask))
         if routing is not None:
             mismatch.update(self._routing_metrics(routing, engine_routing, rb))
+        if cfg.rl.max_staleness:
+            mismatch.update(self._staleness_metrics(rb, step))
 
         # 4. Advantages (groups are whole on this rank; batch-level statistics reduce over DP); with a critic, its
         #    values at rollout time and GAE returns.
@@ -278,7 +297,7 @@ class RLTrainer:
                                                    batch.loss_mask)
         with timer("advantages"):
             batch.advantages, batch.returns = self._advantages(rb)
-        if cfg.algorithm.advantage_estimator == "opd":  # its returns: teacher - student log-prob per token
+        if cfg.algorithm.advantage_estimator in RETURNS_TEACHER_LOG_RATIO:  # returns: teacher - student log-prob
             sums = torch.stack([-(batch.returns * batch.loss_mask).sum(), batch.loss_mask.sum()]).double()
             dist.all_reduce(sums, group=self.pg.dp)
             mismatch["opd/reverse_kl"] = float(sums[0] / sums[1].clamp(min=1))  # sampled KL(student || teacher)
@@ -311,7 +330,7 @@ class RLTrainer:
 
         # 6. Reshard: the engines get the new weights (verified on the first sync and every reshard.verify_every).
         with timer("reshard"):
-            sync_stats = self.sync_weights(f"step-{step}")
+            sync_stats = self.sync_weights(step)
 
         metrics = {k: sum(t[k] for t in train) / len(train) for k in train[0]}
         if tracker is not None:
@@ -320,29 +339,43 @@ class RLTrainer:
         metrics.update(**stats, **mismatch, **timer.take())
         metrics.update({f"reshard/{k}": v for k, v in sync_stats.items() if isinstance(v, (int, float))})
         elapsed = time.perf_counter() - start
-        metrics.update({"time/step_s": elapsed, "dispatch/bytes_received": got.bytes_received})
-        if self.rank in self.worker_ranks:  # the samples' statistics, summed over the workers that hold them
-            metrics.update(rollout_metrics(self._samples, self.workers, f"step-{step - 1}" if step > 1 else None))
+        metrics.update({"time/step_s": elapsed, "time/step_start": start - self.started,
+                        "dispatch/bytes_received": got.bytes_received})
+        if self.rank in self.worker_ranks:
             metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / elapsed
-            errors = self.workers.sum(torch.tensor([float(self.rewards.take_errors())]))
-            metrics["reward/errors"] = int(errors[0])
+            if self.producer is not None:  # the share of the step's wall time the engines spent generating
+                busy = self.producer.busy_s()
+                metrics["async/rollout_busy_frac"] = min(1.0, (busy - self._busy_before) / elapsed)
+                self._busy_before = busy
         return metrics
 
     def _routing_shape(self) -> tuple[int, int] | None:
         return self.routing_shape if self.cfg.rollout.engine_routing else None
 
-    def _collect(self, step: int) -> dict:
-        """A rollout worker: its share of the step's samples (kept for metrics and dumps), packed under their
-        step-wide indices (group * n_samples + j), and the step's plan from every sample's length (a sum over the
-        workers); returns the rollout statistics (the same on every worker)."""
+    def _collect(self, step: int) -> RolloutBatch:
+        """A rollout worker (the main thread, or the producer thread with rl.max_staleness > 0): its share of the
+        step's samples (kept for metrics and dumps), packed under their step-wide indices (group * n_samples + j),
+        the step's plan from every sample's length, and the rollout statistics; sums over the workers (the same on
+        every worker). Only the workers' own group is used: the main thread's collectives run meanwhile."""
         cfg, n = self.cfg, self.cfg.rollout.n_samples
-        self._samples, stats = self.rollout.collect(self.stream, step, self.workers)
-        self._packed = PackedRollout.from_samples(self._samples, routing=self._routing_shape() is not None,
-                                                  group_size=n, teacher=cfg.teacher.enabled)
-        self._plan = BatchPlan.from_workers(self._packed, cfg.rollout.prompts_per_step * n, n, self.workers.sum,
-                                            self.dp_size, self.pg.tp.size(),
-                                            cfg.rl.max_tokens_per_microbatch, row_multiple=cfg.rl.mini_batches)
-        return stats
+        before, started = self.stream.state(), time.perf_counter() - self.started
+        samples, stats = self.rollout.collect(self.stream, step, self.workers)
+        packed = PackedRollout.from_samples(samples, routing=self._routing_shape() is not None, group_size=n,
+                                            teacher=cfg.teacher.enabled, versions=cfg.rl.max_staleness > 0)
+        plan = BatchPlan.from_workers(packed, cfg.rollout.prompts_per_step * n, n, self.workers.sum, self.dp_size,
+                                      self.pg.tp.size(), cfg.rl.max_tokens_per_microbatch,
+                                      row_multiple=cfg.rl.mini_batches)
+        stats.update(rollout_metrics(samples, self.workers, version_name(step - 1) if step > 1 else None))
+        errors = self.workers.sum(torch.tensor([float(self.rewards.take_errors())]))
+        stats["reward/errors"] = int(errors[0])
+        if cfg.rl.max_staleness:
+            versions = sample_version_stats(samples)
+            (partial, count), oldest = self.workers.sum(versions[:2].clone()).tolist(), -self.workers.max(-versions[2:])
+            stats.update({"async/partial_sample_frac": partial / max(count, 1),
+                          "async/max_lag": step - 1 - float(oldest[0]) if count else 0.0})
+        # when this worker generated it, in seconds since the trainer started (benchmarks/async_rl.py's timeline)
+        stats.update({"time/generate_start": started, "time/generate_end": time.perf_counter() - self.started})
+        return RolloutBatch(step, samples, packed, plan, stats, before, self.stream.state())
 
     def _dump(self, step: int, rb: RankBatch) -> None:
         """Each rollout worker: the engine's samples it generated (read them back with dumped_samples); the first
@@ -351,10 +384,12 @@ class RLTrainer:
         os.makedirs(folder, exist_ok=True)
         if self.rank in self.worker_ranks:
             with open(os.path.join(folder, f"step_{step:06d}.worker{self.workers.index}.jsonl"), "w") as f:
-                for index, s in zip(self._packed.sample_index.tolist(), self._samples):
-                    f.write(json.dumps({"sample": index, "group": s.group, "prompt_ids": _listed(s.prompt_ids),
+                for index, s in zip(self._batch.packed.sample_index.tolist(), self._batch.samples):
+                    f.write(json.dumps({"sample": index, "group": s.group, "prompt_index": s.prompt_index,
+                                        "prompt_ids": _listed(s.prompt_ids),
                                         "response_ids": _listed(s.response_ids),
                                         "rollout_log_probs": _listed(s.rollout_log_probs), "reward": s.reward,
+                                        "token_versions": _listed(s.token_versions),
                                         "finish_reason": s.finish_reason, "loss_mask": _listed(s.loss_mask),
                                         "extra": s.extra}) + "\n")
         if self.pg.tp.rank() == 0 and self.pg.pp.rank() == 0:
@@ -423,6 +458,25 @@ class RLTrainer:
         return {"mismatch/logprob_abs_diff": float(sums[0] / sums[1].clamp(min=1)),
                 "mismatch/logprob_abs_diff_max": float(peak[0])}
 
+    def _staleness_metrics(self, rb: RankBatch, step: int) -> dict:
+        """Asynchronous RL: trained tokens per lag (steps between the weights that sampled a token and the policy the
+        step updates), and the trainer-engine log-prob mismatch per lag (over the global batch)."""
+        k, batch = self.cfg.rl.max_staleness, rb.batch
+        versions = rb.samples.per_token(rb.samples.token_versions.float(), *batch.loss_mask.shape)  # 0 off the mask
+        tokens = lag_stats(versions, batch.loss_mask, step, k)
+        diff = (batch.old_log_probs - batch.rollout_log_probs).abs() * batch.loss_mask
+        lag = (step - 1 - versions.long()).clamp(0, k + 1)
+        sums = torch.zeros(2, k + 2, dtype=torch.float64)
+        sums[0] = tokens * holds_results(self.pg)
+        sums[1].index_add_(0, lag.reshape(-1), diff.double().reshape(-1) * holds_results(self.pg))
+        dist.all_reduce(sums)
+        total = sums[0].sum().clamp(min=1)
+        out = {f"async/lag{j}_token_frac": float(sums[0, j] / total) for j in range(k + 1)}
+        out["async/stale_token_frac"] = float(sums[0, k + 1] / total)  # older than allowed: 0 by construction
+        out.update({f"mismatch/logprob_abs_diff_lag{j}": float(sums[1, j] / sums[0, j].clamp(min=1))
+                    for j in range(k + 1)})
+        return out
+
     def _routing_metrics(self, routing: RoutingStats, engine_routing: torch.Tensor, rb: RankBatch) -> dict:
         """MoE: how often the routing of the old-log-prob forward (the trainer's own, or the engine's under R3) picked
         the engine's experts, over each sample's positions but its last (whose output is never trained); expert load
@@ -467,11 +521,32 @@ class RLTrainer:
             for client in self.clients:
                 getattr(client, method)()
 
-    def sync_weights(self, version: str, verify: bool | None = None) -> dict:
+    def sync_weights(self, version: int, verify: bool | None = None) -> dict:
+        """Push the weights after step `version` into the policy engines. With asynchronous rollouts in flight:
+        partial rollouts pause the engines (their requests abort and continue under the new weights), verification
+        runs once they generate again; the fixed schedule first waits for the rollout sampled from the old weights."""
         self._engines("resume_memory")
-        stats = {}
-        for sync in self.syncs:
-            stats = sync.sync(version, verify=verify)
+        partial = self.producer is not None and self.cfg.rl.partial_rollouts
+        if self.producer is not None and not partial:
+            self.producer.wait_generated(version + self.cfg.rl.max_staleness)
+        if partial and self.rank == 0:
+            for client in self.clients:
+                client.pause("abort")
+        stats, due = {}, []
+        try:
+            for sync in self.syncs:
+                due.append(sync.due() if verify is None else verify)
+                stats = sync.sync(version_name(version), verify=False if partial else verify)
+        finally:
+            if partial and self.rank == 0:
+                for client in self.clients:
+                    client.resume()
+        if partial:
+            for sync, check in zip(self.syncs, due):
+                if check:
+                    stats.update(sync.verify())
+        if self.producer is not None:
+            self.producer.set_version(version)
         return stats
 
     def evaluate(self, tag) -> dict:
@@ -524,11 +599,15 @@ class RLTrainer:
     def train(self) -> dict:
         cfg = self.cfg
         self.stop = StopRequest(cfg.run_dir, self.rank, "cuda" if platform.on_gpu() else "cpu")
-        self.sync_weights(f"step-{self.step}", verify=True)  # the engines start from the trainer's weights
+        self.sync_weights(self.step, verify=True)  # the engines start from the trainer's weights
         if self.step == 0:
             self.state["eval_before"] = self.evaluate("before")
             if self.log is not None and self.state["eval_before"]:
                 self.log.log(0, self.state["eval_before"])
+        if cfg.rl.max_staleness and self.rank in self.worker_ranks:
+            self.producer = RolloutProducer(self._collect, self.step + 1, cfg.rl.steps, cfg.rl.max_staleness,
+                                            self.step, ready=self._queued)
+            self._busy_before = 0.0
         while self.step < cfg.rl.steps:
             step = self.step + 1
             metrics = self.step_once(step)
@@ -564,9 +643,20 @@ class RLTrainer:
             plot_pass_at_k(curves, os.path.join(self.cfg.run_dir, "pass_at_k.png"), title="held-out pass@k (%)")
 
     def save(self) -> None:
-        state = dict(self.state, data=self.stream.state()) if self.rank == 0 else {}  # rank 0 writes it
-        save_checkpoint(self.ckpt_root, self.step, self.policy.chunks, self.policy.optimizer, self.policy.scheduler,
-                        state, keep=self.cfg.checkpoint.keep, critic=self.critic)
+        """A checkpoint of the step just trained. Asynchronous RL: the rollout in progress is finished first, and each
+        worker's finished, untrained rollouts are saved with it (the prompt cursor after them; data_untrained: the
+        cursor before them, for a resume that cannot read them back)."""
+        ahead = self.producer.drain() if self.producer is not None else []
+        try:
+            state = dict(self.state, data=self.stream.state()) if self.rank == 0 else {}  # rank 0 writes it
+            if ahead and self.rank == 0:
+                state["data_untrained"] = ahead[0].cursor_before
+            save_checkpoint(self.ckpt_root, self.step, self.policy.chunks, self.policy.optimizer,
+                            self.policy.scheduler, state, keep=self.cfg.checkpoint.keep, critic=self.critic,
+                            rank_state={"rollouts": ahead} if self.producer is not None else None)
+        finally:
+            if self.producer is not None:
+                self.producer.release()
 
     def _summary(self, after: dict) -> dict:
         before = self.state.get("eval_before") or {}
@@ -579,6 +669,8 @@ class RLTrainer:
         return summary
 
     def close(self) -> None:
+        if self.producer is not None:
+            self.producer.stop()
         for sync in self.syncs:
             sync.close()
         if self.rank in self.worker_ranks:
@@ -589,3 +681,4 @@ class RLTrainer:
         for server in self.servers + [self.teacher_server]:
             if server is not None:
                 server.stop()
+        self.pools.stop()

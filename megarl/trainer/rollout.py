@@ -22,6 +22,8 @@ from ..envs import Episode, make_env, run_episodes
 from ..envs.episode import check_turn
 from ..errors import PeerFailed, UserError
 from ..evaluation import majority_at_n, normalise_answer, pass_at_k_curve
+from ..rewards.judge import Judge, scored as judged
+from .async_rollout import token_versions
 from .batching import Sample
 
 
@@ -86,9 +88,15 @@ class Workers:
 
 
 class Rollout:
-    def __init__(self, cfg, tokenizer, router, rewards, tools=None, teacher=None):
+    def __init__(self, cfg, tokenizer, router, rewards, tools=None, teacher=None, pools=None):
         self.cfg, self.tok, self.router, self.rewards, self.tools = cfg, tokenizer, router, rewards, tools
         self.teacher = teacher  # opd: megarl.rollout.teacher.Teacher, asked for each sample's response log-probs
+        # reward.name: judge: a generative reward, its models reached through the pools' routers ({name: EngineRouter},
+        # megarl.rollout.pools), asked in each chunk's thread as the chunk returns
+        self.judge = Judge.from_config(cfg, pools or {}, cfg.rollout.deterministic) \
+            if cfg.reward.name == "judge" else None
+        # asynchronous RL with partial rollouts: a weight update aborts requests in flight; they continue under it
+        self.partial = cfg.rl.max_staleness > 0 and cfg.rl.partial_rollouts
         self.stop_ids = sorted(set(tokenizer.stop_ids) | set(cfg.rollout.stop_token_ids))
         # the estimator's baseline is a greedy rollout of each prompt (ReMax): collect() asks the engines for it
         self.greedy_baseline = cfg.algorithm.advantage_estimator in GREEDY_BASELINE
@@ -107,8 +115,9 @@ class Rollout:
         records = [r for _, r, _ in piece]
         env = self.cfg.env
 
-        def generate(prompts, params):
-            return self.router.generate(prompts, params, return_routed_experts=self.cfg.rollout.engine_routing)
+        def generate(prompts, params):  # partial rollouts: requests a weight update aborted continue under it
+            return self.router.generate(prompts, params, return_routed_experts=self.cfg.rollout.engine_routing,
+                                        resume_aborted=self.partial)
 
         if env.name is None:
             params = [self.sampling_params(request_seed(*seed_parts, r.index, j), temperature, max_new_tokens)
@@ -119,7 +128,8 @@ class Rollout:
                 check_turn(c)
                 episodes.append(Episode(list(r.prompt_ids), list(c.output_ids), [1] * len(c.output_ids),
                                         list(c.output_log_probs), c.finish_reason, 1, self.tok.decode(c.output_ids),
-                                        weight_version=c.weight_version, routed_experts=c.routed_experts))
+                                        weight_version=c.weight_version, routed_experts=c.routed_experts,
+                                        segments=list(c.segments)))
             return episodes
         envs = [make_env(env.name, tools=list(env.tools), tool_call_format=env.tool_call_format, **env.kwargs)
                 for _ in piece]
@@ -150,7 +160,15 @@ class Rollout:
             piece, temp = item
             episodes = self._episodes(piece, seed_parts, temp, max_new_tokens)
             texts = [(e.final_text, r.answer) for e, (_, r, _) in zip(episodes, piece)]
-            scored = self.rewards.submit(texts)
+            if self.judge is not None:  # judged here (HTTP to the judge pool) while later chunks generate
+                verdicts = self.judge.score([r.text for _, r, _ in piece], [t for t, _ in texts],
+                                            [a for _, a in texts],
+                                            [request_seed(*seed_parts, r.index, j, "judge") for _, r, j in piece])
+                for e, verdict in zip(episodes, verdicts):
+                    e.info.update(verdict.info())  # into Sample.extra: the rollout dumps keep the judges' texts
+                scored = judged([v.score for v in verdicts])
+            else:
+                scored = self.rewards.submit(texts)
             taught = self.teacher.response_log_probs([e.prompt_ids for e in episodes],
                                                      [e.response_ids for e in episodes]) \
                 if teacher and temp > 0 else [None] * len(episodes)  # never for the untrained greedy rollouts
@@ -179,6 +197,7 @@ class Rollout:
                     finish_reason=e.finish_reason, reward=reward, score=reward,
                     loss_mask=np.asarray(e.loss_mask, dtype=np.uint8) if multi_turn else None,
                     routed_experts=e.routed_experts, teacher_log_probs=teacher_lp,
+                    token_versions=token_versions(e.segments),
                     extra={"weight_version": e.weight_version, "turns": e.turns, "final_text": e.final_text,
                            **e.info}))
         if greedy_baseline:
@@ -266,7 +285,8 @@ class Rollout:
 
 
 _SUMS = ("samples", "reward", "reward_sq", "passed", "response_tokens", "truncated", "multi_turn", "turns", "max_turns",
-         "observation_tokens", "with_tool_calls", "tool_calls", "tool_errors", "bad_tool_calls", "stale", "tokens")
+         "observation_tokens", "with_tool_calls", "tool_calls", "tool_errors", "bad_tool_calls", "stale", "tokens",
+         "judged", "judge_parse_errors")
 
 
 def rollout_metrics(samples: list[Sample], workers: Workers = Workers(), weight_version: str | None = None) -> dict:
@@ -285,7 +305,8 @@ def rollout_metrics(samples: list[Sample], workers: Workers = Workers(), weight_
         sum(s.extra.get("tool_calls", 0) > 0 for s in samples), total("tool_calls"), total("tool_errors"),
         sum(s.extra.get("bad_tool_calls", 0) > 0 for s in samples),
         sum(s.extra.get("weight_version") != weight_version for s in samples) if weight_version else 0,
-        sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)], dtype=torch.float64)
+        sum(len(s.prompt_ids) + len(s.response_ids) for s in samples), total("judged"), total("judge_parse_errors")],
+        dtype=torch.float64)
     t = dict(zip(_SUMS, workers.sum(sums).tolist()))
     longest = workers.max(torch.tensor([max((len(s.response_ids) for s in samples), default=0)], dtype=torch.float64))
     n = max(t["samples"], 1)
@@ -296,6 +317,8 @@ def rollout_metrics(samples: list[Sample], workers: Workers = Workers(), weight_
                "rollout/truncated_frac": t["truncated"] / n, "rollout/samples": int(t["samples"]),
                "rollout/tokens": int(t["tokens"])}
     metrics["rollout/stale_weight_frac"] = t["stale"] / n if weight_version else 0.0
+    if t["judged"]:  # a generative reward (megarl.rewards.judge): its unparseable judgements, all models
+        metrics["reward/judge_parse_errors"] = int(t["judge_parse_errors"])
     if t["multi_turn"]:  # multi-turn episodes
         metrics.update({
             "rollout/turns_mean": t["turns"] / n, "rollout/max_turns_frac": t["max_turns"] / n,

@@ -1,0 +1,264 @@
+"""Generative rewards (reward.name: judge): a model served by an engine pool (pools.<name>, megarl.rollout.pools) reads
+the prompt and the policy's response and writes a judgement whose score is the reward.
+
+Per response: the template (reward.judge.template) is rendered and wrapped in the judge model's own chat template
+(transformers' apply_chat_template of its tokenizer, generation prompt added), n judgements are sampled (each with a
+seed derived from the response's own, so reruns draw the same ones), each is parsed to a number (the last match of a
+regex, by default the last \\boxed{x} or "Score: x", or a "package.module:function"), and the n numbers are reduced
+by mean or majority. A judgement that does not parse is never an error: it is counted (reward/judge_parse_errors) and
+scored by reward.judge.on_parse_error (`score`: as parse_error_score; `skip`: left out of the reduction).
+
+Verifier + meta-verifier (reward.judge.meta_verifier), after DeepSeekMath-V2 (Shao et al. 2025, "DeepSeekMath-V2:
+Towards Self-Verifiable Mathematical Reasoning", arXiv:2511.22570, sec. 2.1): the verifier writes an analysis of the
+proof ending in a score s in {0, 0.5, 1}; the meta-verifier reads (problem, proof, analysis) and scores whether the
+issues the analysis claims are real and its score justified, a quality q in [0, 1]. The paper makes q a factor of the
+verification's reward, R = R_format * R_score * R_meta (an analysis whose claims are not real earns nothing, whatever
+its score). megarl applies the same multiplicative rule to each verification of a response: its value is s_k * q_k,
+where q_k reduces the meta-verifier's judgements of analysis k; unparseable analyses take the on_parse_error rule (they
+have no claims to check, so they are not sent to the meta-verifier); the response's score reduces the values over its
+n analyses. Both models' texts are kept per sample (Sample.extra["judge"], so they land in the rollout dumps).
+
+Judging runs in the rollout's chunk threads (megarl.trainer.rollout.Rollout.generate): each chunk's responses are
+judged as soon as the chunk returns, while later chunks still generate.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import UserError
+from ..rollout.server import EngineError
+from .functions import register_reward
+
+VERIFIER_TEMPLATE = ("Problem:\n{prompt}\n\nReference answer: {answer}\n\nSolution:\n{response}\n\nIs the solution "
+                     "correct? Explain briefly, then end with \\boxed{1} (correct), \\boxed{0.5} (partly correct) or "
+                     "\\boxed{0} (wrong).")
+META_TEMPLATE = ("Problem:\n{prompt}\n\nSolution:\n{response}\n\nA grader's analysis of the solution:\n{analysis}\n\n"
+                 "Are the issues the analysis claims real, and is its score justified? Explain briefly, then end with "
+                 "\\boxed{1} (faithful), \\boxed{0.5} (partly) or \\boxed{0} (not faithful).")
+
+# the last \boxed{x} or "Score: x" (x a plain decimal number)
+DEFAULT_PATTERN = r"\\boxed\{\s*([-+]?\d*\.?\d+)\s*\}|Score:\s*([-+]?\d*\.?\d+)"
+_PLACEHOLDER = re.compile(r"\{(prompt|response|answer|analysis)\}")
+
+
+@register_reward("judge")
+def judge(response: str, answer, **_) -> float:
+    """The name reward.name: judge resolves to. A generative reward is scored by the rollout through its judge pool
+    (Judge below), never in a reward process: reaching here is a wiring error."""
+    raise RuntimeError("reward.name=judge is scored by the rollout's Judge (megarl.rewards.judge), not by RewardPool")
+
+
+# ------------------------------------------------------------------------------------------------- pure functions
+def render(template: str, **fields) -> str:
+    """The template with {prompt}, {response}, {answer} and {analysis} replaced (None: ""); other braces kept."""
+    return _PLACEHOLDER.sub(lambda m: "" if fields.get(m.group(1)) is None else str(fields[m.group(1)]), template)
+
+
+def chat_prompt_ids(tokenizer, user: str, system: str | None = None) -> list[int]:
+    """The judge's request: the user message (after an optional system message) through the judge tokenizer's chat
+    template with the generation prompt, as token ids."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _number(value) -> float | None:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def parse_score(text: str, pattern: re.Pattern) -> float | None:
+    """The number in the last match of `pattern` (its first non-empty group, or the whole match without groups);
+    None when nothing matches or the match is not a finite number."""
+    last = None
+    for last in pattern.finditer(text):
+        pass
+    if last is None:
+        return None
+    groups = [g for g in last.groups() if g]
+    return _number(groups[0] if groups else last.group(0))
+
+
+def make_parser(pattern: str | None = None, parser: str | None = None) -> Callable[[str], float | None]:
+    """text -> score or None: `parser` ("package.module:function", returning a number or None) when given, else the
+    regex `pattern` (parse_score; None: DEFAULT_PATTERN). A parser that raises or returns a non-number counts as unparseable. Raises
+    ValueError for a pattern that does not compile or a parser that does not import."""
+    if parser:
+        import importlib
+
+        module, _, attr = parser.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr) if module and attr else None
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cannot import {attr!r} from {module!r} ({e}). Fix: a \"package.module:function\" "
+                             "taking the judge's text and returning a number or None") from None
+        if not callable(fn):
+            raise ValueError(f"{parser!r} is not a callable \"package.module:function\". Fix: e.g. "
+                             "\"my_pkg.judging:score\"")
+
+        def parse(text: str) -> float | None:
+            try:
+                return _number(fn(text))
+            except Exception:  # a user parser's failure is a parse error, never a crash
+                return None
+        return parse
+    pattern = DEFAULT_PATTERN if pattern is None else pattern
+    try:
+        regex = re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"{pattern!r} is not a regular expression ({e}). Fix: e.g. the default, the last "
+                         r"\boxed{x} or 'Score: x'") from None
+    return lambda text: parse_score(text, regex)
+
+
+def reduce_scores(scores: list[float], how: str) -> float:
+    """mean, or majority: the most frequent value (ties: the lowest, a conservative judge)."""
+    if not scores:
+        raise ValueError("reduce_scores needs at least one score")
+    if how == "mean":
+        return sum(scores) / len(scores)
+    if how == "majority":
+        counts = Counter(scores)
+        top = max(counts.values())
+        return min(v for v, c in counts.items() if c == top)
+    raise ValueError(f"unknown reduction {how!r}; choose mean or majority")
+
+
+def reduce_judgements(parsed: list[float | None], how: str, on_parse_error: str, parse_error_score: float) -> float:
+    """One score from n parsed judgements (None: unparseable): `score` counts those as parse_error_score, `skip` leaves
+    them out; with nothing left, parse_error_score."""
+    if on_parse_error == "skip":
+        kept = [p for p in parsed if p is not None]
+    else:
+        kept = [parse_error_score if p is None else p for p in parsed]
+    return reduce_scores(kept, how) if kept else parse_error_score
+
+
+# ------------------------------------------------------------------------------------------------ judging
+@dataclass
+class Verdict:
+    """The judging of one response: its score and everything behind it (JSON-ready, for the rollout dumps)."""
+    score: float
+    texts: list[str]  # the verifier's n judgements
+    scores: list[float | None]  # each parsed (None: unparseable)
+    meta_texts: list[list[str]] | None = None  # per verifier judgement: the meta-verifier's (empty when unparsed)
+    meta_scores: list[list[float | None]] | None = None
+    parse_errors: int = 0  # unparseable judgements, the meta-verifier's included
+
+    def info(self) -> dict:
+        """For Sample.extra: {"judge": {...}, "judge_parse_errors": n, "judged": 1} (the last two are summed into
+        reward/judge_parse_errors by megarl.trainer.rollout.rollout_metrics)."""
+        judged = {"score": self.score, "texts": self.texts, "scores": self.scores}
+        if self.meta_texts is not None:
+            judged.update(meta_texts=self.meta_texts, meta_scores=self.meta_scores)
+        return {"judge": judged, "judge_parse_errors": self.parse_errors, "judged": 1}
+
+
+class JudgeModel:
+    """One stage (the verifier, or the meta-verifier): its settings (a JudgeStage), the router of its pool and the
+    tokenizer whose chat template renders its prompts."""
+
+    def __init__(self, stage, router, tokenizer, default_template: str, deterministic: bool = True,
+                 field: str = "reward.judge"):
+        self.stage, self.router, self.tok, self.deterministic = stage, router, tokenizer, deterministic
+        self.field = field  # the config section, for errors
+        self.template = stage.template or default_template
+        self.parse = make_parser(stage.pattern, stage.parser)
+
+    def prompt_ids(self, **fields) -> list[int]:
+        return chat_prompt_ids(self.tok, render(self.template, **fields), self.stage.system)
+
+    def sample(self, items: list[dict], seeds: list[int | None]) -> list[list[str]]:
+        """n judgements (decoded texts) for each item (the template's fields), in one batched request to the pool."""
+        s, n = self.stage, self.stage.n
+        prompts = [self.prompt_ids(**item) for item in items]
+        params = []
+        for seed in seeds:
+            for k in range(n):
+                p = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p}
+                if seed is not None and self.deterministic:
+                    p["sampling_seed"] = (seed * 1_000_003 + k) % (1 << 63)
+                params.append(p)
+        if not prompts:
+            return []
+        try:
+            done = self.router.generate([p for p in prompts for _ in range(n)], params, return_logprob=False)
+        except EngineError as e:
+            if "(HTTP 4" not in str(e):  # the engine itself failed: its own error
+                raise
+            longest = max(map(len, prompts))
+            raise UserError(f"{self.field}: the judge engine refused a request (longest prompt {longest} tokens + "
+                            f"max_new_tokens={s.max_new_tokens}): {str(e).splitlines()[0][:300]}. Fix: a shorter "
+                            f"{self.field}.template, a smaller {self.field}.max_new_tokens, or a judge model with a "
+                            "longer context") from None
+        texts = [self.tok.decode(c.output_ids, skip_special_tokens=True) for c in done]
+        return [texts[i * n:(i + 1) * n] for i in range(len(items))]
+
+
+class Judge:
+    """reward.name: judge. score(...) judges a chunk of responses; with a meta-verifier, as DeepSeekMath-V2 composes
+    them (module docstring)."""
+
+    def __init__(self, verifier: JudgeModel, meta: JudgeModel | None = None):
+        self.verifier, self.meta = verifier, meta
+
+    @classmethod
+    def from_config(cls, cfg, routers: dict, deterministic: bool = True) -> "Judge":
+        """From a TrainConfig (reward.judge, pools) and the pools' routers (megarl.rollout.pools.EnginePools)."""
+        from transformers import AutoTokenizer
+
+        from ..rollout.pools import pool_tokenizer_path
+
+        def model(stage, default, field):
+            if stage.pool not in routers:
+                raise ValueError(f"{field}.pool={stage.pool!r}: no router for that pool was handed to the rollout "
+                                 f"(have {sorted(routers)})")
+            path = pool_tokenizer_path(cfg.pools[stage.pool], routers[stage.pool].clients[0], f"pools.{stage.pool}")
+            return JudgeModel(stage, routers[stage.pool], AutoTokenizer.from_pretrained(path), default, deterministic,
+                              field)
+
+        j = cfg.reward.judge
+        meta = model(j.meta_verifier, META_TEMPLATE, "reward.judge.meta_verifier") if j.meta_verifier else None
+        return cls(model(j, VERIFIER_TEMPLATE, "reward.judge"), meta)
+
+    def score(self, prompts: list[str], responses: list[str], answers: list, seeds: list[int | None]) -> list[Verdict]:
+        v = self.verifier.stage
+        items = [{"prompt": p, "response": r, "answer": a} for p, r, a in zip(prompts, responses, answers)]
+        texts = self.verifier.sample(items, seeds)
+        parsed = [[self.verifier.parse(t) for t in group] for group in texts]
+        if self.meta is None:
+            return [Verdict(reduce_judgements(ps, v.reduce, v.on_parse_error, v.parse_error_score), ts, ps,
+                            parse_errors=sum(p is None for p in ps)) for ts, ps in zip(texts, parsed)]
+        m = self.meta.stage
+        # the meta-verifier judges every parsed analysis (one batched request for the chunk)
+        asks = [(i, k) for i, ps in enumerate(parsed) for k, p in enumerate(ps) if p is not None]
+        # one seed per (response, analysis k), apart from the verifier's (which sample() spreads over the n samples)
+        meta_texts = self.meta.sample([dict(items[i], analysis=texts[i][k]) for i, k in asks],
+                                      [None if seeds[i] is None else seeds[i] + 7919 * (k + 1) for i, k in asks])
+        by_analysis = dict(zip(asks, meta_texts))
+        verdicts = []
+        for i, (ts, ps) in enumerate(zip(texts, parsed)):
+            mt = [by_analysis.get((i, k), []) for k in range(len(ts))]
+            mp = [[self.meta.parse(t) for t in group] for group in mt]
+            values = [None if p is None else p * reduce_judgements(q, m.reduce, m.on_parse_error, m.parse_error_score)
+                      for p, q in zip(ps, mp)]
+            errors = sum(p is None for p in ps) + sum(q is None for group in mp for q in group)
+            verdicts.append(Verdict(reduce_judgements(values, v.reduce, v.on_parse_error, v.parse_error_score), ts, ps,
+                                    meta_texts=mt, meta_scores=mp, parse_errors=errors))
+        return verdicts
+
+
+def scored(values: list[float]) -> Future:
+    """Scores already computed, in RewardPool.submit's form (a Future of [(score, error)]), so the rollout collects a
+    generative reward's scores as it collects a reward pool's."""
+    future: Future = Future()
+    future.set_result([(float(v), None) for v in values])
+    return future
