@@ -321,8 +321,13 @@ def test_bad_config_names_the_field(kwargs, needle):
 def test_custom_policy_loss_can_be_registered():
     from megarl.algorithms import register_policy_loss
 
+    from megarl.algorithms import POLICY_LOSSES
+
     @register_policy_loss("test_only_sign")
     def sign_loss(log_prob, old_log_prob, advantages, mask, cfg, seq_sum):
         return -torch.sign(advantages) * log_prob, {}
 
-    AlgorithmConfig(policy_loss="test_only_sign").validate()
+    try:
+        AlgorithmConfig(policy_loss="test_only_sign").validate()
+    finally:  # the registry is process-wide: leave it as the other tests (the docs check) expect it
+        POLICY_LOSSES.pop("test_only_sign")
