@@ -136,6 +136,57 @@ def test_router_continues_aborted_requests_from_their_own_tokens():
     assert plain[0].finish_reason == "abort" and len(plain[0].output_ids) == 2  # without resume_aborted: as it came
 
 
+class _PausableClient:
+    """A stand-in engine: a generation runs until /abort_request (then returns aborted after 1 token) or, once the
+    weights changed, finishes; it records the control calls in order."""
+
+    def __init__(self):
+        self.events, self.aborted, self.version = [], threading.Event(), "step-0"
+
+    def generate(self, prompts, params, **kwargs):
+        version = self.version
+        self.events.append(("generate", version))
+        if version == "step-0":
+            assert self.aborted.wait(60), "never aborted"
+            return [Completion(list(p), [7], [-0.1], "abort", version) for p in prompts]
+        return [Completion(list(p), [8] * sp["max_new_tokens"], [-0.2] * sp["max_new_tokens"], "length", version)
+                for p, sp in zip(prompts, params)]
+
+    def call(self, path, payload=None):
+        self.events.append((path, payload))
+        self.aborted.set()
+
+    def pause(self, mode):
+        self.events.append(("pause", mode))
+
+    def resume(self):
+        self.events.append(("resume",))
+
+
+def test_pause_for_update_aborts_waits_for_its_requests_and_holds_new_ones():
+    """The fast pause: hold new requests, abort every request, wait for this router's to return, then SGLang's pause;
+    a continuation asked for during the update waits for continue_after_update (so it runs on the new weights)."""
+    client = _PausableClient()
+    router = EngineRouter([client], "round_robin")
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(c=router.generate(
+        [[1, 2]], {"max_new_tokens": 4}, resume_aborted=True)[0]))
+    worker.start()
+    while not client.events:  # the generation is in flight
+        time.sleep(0.01)
+    router.pause_for_update()
+    assert router.in_flight == [0]  # the aborted request came back before the engine was paused
+    assert client.events == [("generate", "step-0"), ("/abort_request", {"abort_all": True}), ("pause", "abort")]
+    worker.join(0.3)
+    assert worker.is_alive()  # its continuation is held by the router while the weights change
+    client.version = "step-1"
+    router.continue_after_update()
+    worker.join(60)
+    assert client.events[3:] == [("resume",), ("generate", "step-1")]
+    c = result["c"]
+    assert c.output_ids == [7, 8, 8, 8] and c.segments == [(1, "step-0"), (3, "step-1")]
+
+
 @pytest.fixture(scope="module")
 def perturbed_model(tmp_path_factory):
     """The tiny Qwen2 the session engine serves, with every weight changed (another policy, same shapes)."""
@@ -174,9 +225,9 @@ def test_weight_update_during_a_generation_pauses_and_continues_it(tiny_qwen2_en
             while router.in_flight[0] == 0 and worker.is_alive():
                 time.sleep(0.01)
             time.sleep(0.05 * attempt)
-            client.pause("abort")
+            router.pause_for_update()  # holds the router, aborts the request, waits for it, pauses the engine
             client.call("/update_weights_from_disk", {"model_path": perturbed_model, "weight_version": "step-1"})
-            client.resume()
+            router.continue_after_update()
             worker.join()
             c = result["c"]
             if len(c.segments) > 1:

@@ -249,3 +249,22 @@ def test_stop_request_is_agreed_by_every_rank_and_leaves_a_marker(tmp_path):
     assert marker["step"] == 7 and marker["stop_file"] is True  # the last stop came from the file ...
     assert not (tmp_path / "STOP").exists()  # ... which is consumed
     assert not (tmp_path / "STOP").exists()
+
+
+@pytest.mark.parametrize("every", [0, 1, 3])
+def test_verification_schedule_does_not_depend_on_where_the_run_resumed(every):
+    from megarl.reshard.sync import SyncConfig, WeightSync
+
+    def verified_steps(resume_step: int, last: int = 10) -> list:
+        sync = WeightSync.__new__(WeightSync)  # the schedule only: no bridge, engine or transport
+        sync.cfg, sync.count, out = SyncConfig(verify_every=every), 0, []
+        for step in range(resume_step, last + 1):  # the process's first sync pushes the resumed step's weights
+            if sync.due(step):
+                out.append(step)
+            sync.count += 1
+        return out
+
+    full = verified_steps(0)
+    assert full[0] == 0 and len(full) == {0: 1, 1: 11, 3: 4}[every]
+    for resume in range(1, 10):  # every resumed run verifies its first sync, then exactly the uninterrupted steps
+        assert verified_steps(resume) == [resume] + [s for s in full if s > resume] if every else [resume]

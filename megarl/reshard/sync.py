@@ -77,9 +77,13 @@ class WeightSync:
         return count == 1 or self.cfg.verify_every == 1 or bool(self.cfg.verify_every and
                                                                 count % self.cfg.verify_every == 1)
 
-    def due(self) -> bool:
-        """Whether the next sync() verifies by default (the first, then every reshard.verify_every-th)."""
-        return self._due(self.count + 1)
+    def due(self, step: int | None = None) -> bool:
+        """Whether the next sync() verifies by default: the first of this process, then every
+        reshard.verify_every-th. With `step` (the training step whose weights are pushed) the schedule is every
+        step divisible by verify_every, so a resumed run verifies on the same steps as an uninterrupted one."""
+        if step is None or self.count == 0 or self.cfg.verify_every <= 1:
+            return self._due(self.count + 1)
+        return step % self.cfg.verify_every == 0
 
     def verify(self) -> dict:
         start = time.perf_counter()

@@ -1,8 +1,11 @@
 """Data-parallel rollout over several SGLang servers: split a batch across engines, round-robin or least-loaded.
 
-Partial rollouts (asynchronous RL): a weight update does not wait for long generations. `pause_for_update()` makes
-every engine abort its in-flight requests (SGLang's /pause_generation, mode "abort": each returns what it generated so
-far); the trainer pushes the new weights while the engines are paused; `continue_after_update()` resumes them. A
+Partial rollouts (asynchronous RL): a weight update does not wait for long generations. `pause_for_update()` holds
+this router's new requests, makes every engine abort its in-flight requests (each returns what it generated so far),
+waits for this router's to come back, then pauses the engines (SGLang's /pause_generation, mode "abort", which holds
+every other client's new requests and aborts whatever still runs); the trainer pushes the new weights while the
+engines are paused; `continue_after_update()` resumes them. (SGLang's abort-mode pause alone polls its request lock
+once a second: waiting for our own requests first makes the common case, one router per engine, return at once.) A
 `generate(..., resume_aborted=True)` call continues each aborted request from its own tokens (prompt + output so far,
 the remaining token budget) under the new weights, and joins the pieces: the completion's `segments` say which
 weight version sampled which tokens, and every token keeps the log-prob of the distribution it was sampled from.
@@ -38,7 +41,9 @@ class EngineRouter:
         self.clients, self.policy = clients, policy
         self.in_flight = [0] * len(clients)  # prompts currently being generated per engine
         self._next = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # guards in_flight; notified when a call returns
+        self._open = threading.Event()  # cleared while a weight update holds new requests
+        self._open.set()
         self._pool = ThreadPoolExecutor(max_workers=4 * len(clients))
 
     def _assign(self, n: int) -> list[int]:
@@ -95,6 +100,7 @@ class EngineRouter:
     def _spread(self, n: int, call) -> list:
         """call(client, indices) -> one result per index, for the n items split over the engines by the policy (each
         engine's share in one concurrent call); the results in item order."""
+        self._open.wait()
         picks = self._assign(n)
         by_engine: dict[int, list[int]] = {}
         for index, engine in enumerate(picks):
@@ -106,6 +112,7 @@ class EngineRouter:
             finally:
                 with self._lock:
                     self.in_flight[engine] -= len(indices)
+                    self._lock.notify_all()
 
         futures = {engine: self._pool.submit(run, engine, indices) for engine, indices in by_engine.items()}
         results: list = [None] * n
@@ -115,11 +122,25 @@ class EngineRouter:
         return results
 
     def pause_for_update(self) -> None:
-        """Every engine aborts its in-flight requests and holds new ones until continue_after_update()."""
-        self.broadcast("pause", "abort")
+        """Every engine aborts its in-flight requests and holds new ones until continue_after_update() (see the
+        module docstring)."""
+        self._open.clear()
+        try:
+            while True:  # again if a request that passed the gate reached its engine after the abort
+                self.broadcast("call", "/abort_request", {"abort_all": True})
+                with self._lock:
+                    if self._lock.wait_for(lambda: not any(self.in_flight), timeout=1.0):
+                        break
+            self.broadcast("pause", "abort")
+        except BaseException:
+            self._open.set()
+            raise
 
     def continue_after_update(self) -> None:
-        self.broadcast("resume")
+        try:
+            self.broadcast("resume")
+        finally:
+            self._open.set()
 
     def broadcast(self, method: str, *args, **kwargs) -> list:
         """Call a control method (pause, flush_cache, ...) on every engine."""

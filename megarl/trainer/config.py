@@ -299,7 +299,8 @@ class ReshardConfig:
     transport: str = "tensor"  # tensor (colocated) | distributed (NCCL/gloo broadcast) | disk
     bucket_mb: int = 512
     # Verification after a sync: the probe log-probs always, plus the per-tensor checksums below. Verified: the first
-    # sync, then every `verify_every`-th (1: every sync; 0: the first only).
+    # sync of a process (start or resume), then after every step divisible by `verify_every` (1: every sync; 0: the
+    # first only), so a resumed run verifies on the same steps as an uninterrupted one.
     verify_every: int = 10
     # Compare SGLang's checksum of every engine tensor (per engine TP rank, in its padded layout, MoE experts
     # included) with the trainer's; a mismatch names the tensor. Costs one hash pass over the weights on both sides.

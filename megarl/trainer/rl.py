@@ -530,17 +530,15 @@ class RLTrainer:
         if self.producer is not None and not partial:
             self.producer.wait_generated(version + self.cfg.rl.max_staleness)
         if partial and self.rank == 0:
-            for client in self.clients:
-                client.pause("abort")
+            self.router.pause_for_update()
         stats, due = {}, []
         try:
             for sync in self.syncs:
-                due.append(sync.due() if verify is None else verify)
-                stats = sync.sync(version_name(version), verify=False if partial else verify)
+                due.append(sync.due(version) if verify is None else verify)
+                stats = sync.sync(version_name(version), verify=False if partial else due[-1])
         finally:
             if partial and self.rank == 0:
-                for client in self.clients:
-                    client.resume()
+                self.router.continue_after_update()
         if partial:
             for sync, check in zip(self.syncs, due):
                 if check:
