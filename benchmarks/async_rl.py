@@ -32,8 +32,16 @@ CONFIG = os.path.join(ROOT, "configs", "quickstart.yaml")
 OUT = os.path.join(HERE, "results", "async_rl.json")
 
 
+def _rollout_side(proc) -> bool:
+    """An SGLang process or a reward worker (the forkserver's pool), or a child of one: the rollout's own work, which
+    on GPUs runs beside the trainer's devices rather than on them."""
+    return any("sglang" in line or "forkserver" in line
+               for line in (" ".join(p.cmdline()) for p in [proc] + proc.parents()))
+
+
 def _place(root_pid: int, engine_cpus: set[int], trainer_cpus: set[int], done: threading.Event) -> None:
-    """Until `done`: every process of the run on its cores (SGLang's on engine_cpus, the rest on trainer_cpus)."""
+    """Until `done`: every process of the run on its cores (the rollout side, SGLang and the reward workers, on
+    engine_cpus; the trainer on trainer_cpus)."""
     import psutil
 
     while not done.is_set():
@@ -43,27 +51,32 @@ def _place(root_pid: int, engine_cpus: set[int], trainer_cpus: set[int], done: t
             return
         for p in procs:
             try:
-                engine = "sglang" in " ".join(p.cmdline())
-                p.cpu_affinity(sorted(engine_cpus if engine else trainer_cpus))
+                p.cpu_affinity(sorted(engine_cpus if _rollout_side(p) else trainer_cpus))
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass
         done.wait(0.5)
 
 
-def run_one(k: int, seed: int, steps: int, work: str, ckpt: str, cpus: tuple[set[int], set[int]]) -> dict:
+def run_name(k: int, partial: bool) -> str:
+    return f"k{k}" if partial or not k else f"k{k}-fixed"
+
+
+def run_one(k: int, partial: bool, seed: int, steps: int, work: str, ckpt: str,
+            cpus: tuple[set[int], set[int]]) -> dict:
     seed_dir = os.path.join(work, f"seed{seed}")
-    run_dir = os.path.join(seed_dir, f"k{k}")
+    run_dir = os.path.join(seed_dir, run_name(k, partial))
     subprocess.run(["rm", "-rf", run_dir], check=True)
     overrides = [f"run_dir={run_dir}", f"seed={seed}", "model.tiny=null", f"model.path={seed_dir}/base-model",
                  f"model.load={ckpt}", "sft.steps=0", f"rl.steps={steps}", f"rl.max_staleness={k}",
-                 "rl.partial_rollouts=true", "checkpoint.export_hf=false", "logging.wandb=disabled",
+                 f"rl.partial_rollouts={str(partial).lower()}", "checkpoint.export_hf=false", "logging.wandb=disabled",
                  "logging.progress=false"]
     from megarl.parallel.env import free_port
 
     cmd = [sys.executable, "-m", "megarl.launch.torchrun", "--nproc_per_node", "1", "--master_port", str(free_port()),
            "-m", "megarl.cli", "train", CONFIG, *overrides]
-    log = os.path.join(seed_dir, f"k{k}.log")
-    print(f"[async_rl] seed {seed} k={k}: {steps} RL steps -> {run_dir}", flush=True)
+    log = os.path.join(seed_dir, f"{run_name(k, partial)}.log")
+    print(f"[async_rl] seed {seed} k={k}{'' if partial or not k else ' fixed schedule'}: {steps} RL steps -> "
+          f"{run_dir}", flush=True)
     done = threading.Event()
     start = time.perf_counter()
     with open(log, "w") as f:
@@ -85,7 +98,7 @@ def run_one(k: int, seed: int, steps: int, work: str, ckpt: str, cpus: tuple[set
     else:  # synchronous: the engine generates during the rollout phase only
         busy = waiting
     summary = json.load(open(os.path.join(run_dir, "rl_summary.json")))
-    return {"max_staleness": k, "partial": bool(k), "steps": steps, "seed": seed, "wall_s": round(wall, 1),
+    return {"max_staleness": k, "partial": bool(k) and partial, "steps": steps, "seed": seed, "wall_s": round(wall, 1),
             "rl_wall_s": round(sum(step_s), 1), "step_s_mean": round(sum(step_s) / len(step_s), 3),
             "rollout_busy_frac": round(busy / sum(step_s), 3), "train_busy_frac": round(1 - waiting / sum(step_s), 3),
             "pass_at_1_before": summary["pass_at_1_before"], "pass_at_1_after": summary["pass_at_1_after"]}
@@ -116,7 +129,9 @@ def timeline(run_dirs: dict[int, str], path: str, first: int = 10, steps: int = 
             a, b = r["time/generate_start"] - origin, r["time/generate_end"] - origin
             if b > 0 and a < end:
                 ax.barh(1, b - a, left=a, color=COLORS["generate"], edgecolor="white")
-                ax.text(a + (b - a) / 2, 1, f"gen {t}", ha="center", va="center", fontsize=7)
+                shown_from, shown_to = max(a, 0.0), min(b, end)
+                if shown_to - shown_from > 0.05 * end:  # a label only where the bar has room for it
+                    ax.text((shown_from + shown_to) / 2, 1, f"gen {t}", ha="center", va="center", fontsize=7)
         for r in shown:  # the trainer: its phases in order, from the step's start
             x = r["time/step_start"] - origin
             for phase in PHASES:
@@ -128,7 +143,7 @@ def timeline(run_dirs: dict[int, str], path: str, first: int = 10, steps: int = 
         ax.set_xlim(0, end)
         ax.set_title(f"rl.max_staleness = {k}" + (" (synchronous)" if k == 0 else " (partial rollouts)"), fontsize=9)
     axes[-1, 0].set_xlabel("seconds (grey: the trainer waits for a rollout; blue: train; red: weight sync; "
-                           "green: the engine generates)")
+                           "purple: log-probs; green: the engine generates)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -140,10 +155,10 @@ def table(results: dict) -> str:
     sync = {r["seed"]: r for r in runs if r["max_staleness"] == 0}
     lines = ["| k | partial | seed | steps | RL wall s | vs k=0 | step s | engine busy | trainer busy | pass@1 before "
              "-> after |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(runs, key=lambda r: (r["seed"], r["max_staleness"])):
+    for r in sorted(runs, key=lambda r: (r["seed"], r["max_staleness"], r["partial"])):
         base = sync.get(r["seed"])
         ratio = f"{r['rl_wall_s'] / base['rl_wall_s']:.2f}x" if base else "-"
-        lines.append(f"| {r['max_staleness']} | {'yes' if r['partial'] else '-'} | {r['seed']} | {r['steps']} | "
+        lines.append(f"| {r['max_staleness']} | {'yes' if r['partial'] else 'no' if r['max_staleness'] else '-'} | {r['seed']} | {r['steps']} | "
                      f"{r['rl_wall_s']:.0f} | {ratio} | {r['step_s_mean']:.2f} | {r['rollout_busy_frac']:.0%} | "
                      f"{r['train_busy_frac']:.0%} | {r['pass_at_1_before']:.1f} -> {r['pass_at_1_after']:.1f} |")
     return "\n".join(lines)
@@ -151,7 +166,8 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--staleness", default="0,1,2", help="comma-separated rl.max_staleness values (default 0,1,2)")
+    p.add_argument("--staleness", default="0,1,2", help="comma-separated rl.max_staleness values (default 0,1,2), "
+                   "with partial rollouts; K-fixed: k = K on the fixed schedule (no partial rollouts), e.g. 1-fixed")
     p.add_argument("--seeds", default="0")
     p.add_argument("--steps", type=int, default=40, help="RL steps per run (default 40)")
     p.add_argument("--sft-steps", type=int, default=400, help="SFT steps per seed (default: the quickstart's 400)")
@@ -171,10 +187,12 @@ def main(argv=None) -> int:
         cpus = tuple({int(c) for c in spec.split(",")} for spec in (args.engine_cpus, args.trainer_cpus))
         for seed in [int(s) for s in args.seeds.split(",")]:
             ckpt = ensure_sft(args.work, seed, {"sft_steps": args.sft_steps, "set": []})
-            for k in [int(k) for k in args.staleness.split(",")]:
-                if any(r["seed"] == seed and r["max_staleness"] == k for r in results["runs"]):
+            for spec in args.staleness.split(","):
+                k, partial = int(spec.removesuffix("-fixed")), not spec.endswith("-fixed")
+                if any(r["seed"] == seed and r["max_staleness"] == k and r["partial"] == (partial and k > 0)
+                       for r in results["runs"]):
                     continue
-                results["runs"].append(run_one(k, seed, args.steps, args.work, ckpt, cpus))
+                results["runs"].append(run_one(k, partial, seed, args.steps, args.work, ckpt, cpus))
                 os.makedirs(os.path.dirname(args.out), exist_ok=True)
                 with open(args.out + ".tmp", "w") as f:
                     json.dump(results, f, indent=1)
@@ -182,7 +200,8 @@ def main(argv=None) -> int:
     print(table(results))
     seed = min(r["seed"] for r in results["runs"]) if results["runs"] else None
     dirs = {r["max_staleness"]: os.path.join(args.work, f"seed{seed}", f"k{r['max_staleness']}")
-            for r in results["runs"] if r["seed"] == seed and r["max_staleness"] <= 1}
+            for r in results["runs"] if r["seed"] == seed and r["max_staleness"] <= 1 and
+            (r["partial"] or not r["max_staleness"])}
     if dirs and all(os.path.isfile(os.path.join(d, "metrics.jsonl")) for d in dirs.values()):
         print("timeline:", timeline(dirs, os.path.splitext(args.out)[0] + "_timeline.png",
                                     first=min(10, args.steps // 2)))

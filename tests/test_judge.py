@@ -18,7 +18,8 @@ import pytest
 
 from megarl.errors import UserError
 from megarl.rewards.judge import (META_TEMPLATE, VERIFIER_TEMPLATE, Judge, JudgeModel, chat_prompt_ids, make_parser,
-                                  reduce_judgements, reduce_scores, render)
+                                  reduce_judgements, reduce_scores, render, self_verification_reward,
+                                  split_self_analysis)
 from megarl.rollout.client import Completion
 from megarl.testing import tiny_model_dir
 
@@ -145,6 +146,68 @@ def test_verifier_times_meta_verifier_and_parse_errors_on_scripted_judgements():
     json.dumps(info)  # goes into the rollout dumps as is
 
 
+def test_self_verification_reward_is_deepseekmath_v2s_rule():
+    """R = R_format * (alpha * s + beta * (1 - |s' - s|) * R_meta(Z)), the paper's alpha = 0.76, beta = 0.24."""
+    assert self_verification_reward(1.0, 1.0) == pytest.approx(1.0)
+    assert self_verification_reward(0.0, 0.0) == pytest.approx(0.24)  # a wrong solution, honestly assessed
+    assert self_verification_reward(0.0, 1.0) == pytest.approx(0.0)  # a wrong solution claimed right
+    assert self_verification_reward(0.5, 1.0, 0.5) == pytest.approx(0.76 * 0.5 + 0.24 * 0.5 * 0.5)
+    assert self_verification_reward(1.0, None) == 0.0  # no self-assessment: no reward, however good the solution
+    assert self_verification_reward(1.0, 0.0, alpha=0.5, beta=0.5) == pytest.approx(0.5)
+    assert split_self_analysis("x = 2\nSelf-evaluation: fine \\boxed{1}", "Self-evaluation:") == \
+        ("x = 2", "fine \\boxed{1}")
+    assert split_self_analysis("x = 2", "Self-evaluation:") == ("x = 2", None)
+
+
+def test_verifier_agreement_rewards_the_verifier_for_matching_the_label():
+    """Training a verifier: R = R_format * (1 - |s' - s|), s the label, s' the policy's last boxed score."""
+    from megarl.rewards import resolve_reward
+
+    reward = resolve_reward("verifier_agreement")
+    assert reward("step 2 is wrong. \\boxed{0}", "0") == 1.0
+    assert reward("minor gap \\boxed{0.5}", "1") == 0.5
+    assert reward("\\boxed{1} ... on reflection Score: 0", "1") == 0.0  # the last score counts
+    assert reward("looks fine", "1") == 0.0 and reward("\\boxed{3}", "1") == 0.0  # no score in [0, 1]: format 0
+    with pytest.raises(ValueError, match="labelled score"):
+        reward("\\boxed{1}", "correct")
+
+
+def test_self_verification_judges_the_solution_alone_and_the_self_analysis_by_the_meta_verifier():
+    """Three responses: solution + self-analysis with a score; no self-analysis; a self-analysis without a score.
+    The verifier sees each solution without its self-analysis; the meta-verifier judges the verifier's analyses and
+    then the one parseable self-analysis; the rewards follow the rule above."""
+    from transformers import AutoTokenizer
+
+    from megarl.trainer.config import SelfVerificationConfig
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir("qwen2"))
+    verifier = ScriptedRouter(tok, ["\\boxed{0.5}", "\\boxed{0}", "\\boxed{1}"])
+    meta = ScriptedRouter(tok, ["\\boxed{1}", "\\boxed{1}", "\\boxed{1}", "\\boxed{0.5}"])
+    judge = Judge(JudgeModel(_stage(), verifier, tok, VERIFIER_TEMPLATE), JudgeModel(_stage(), meta, tok, META_TEMPLATE),
+                  SelfVerificationConfig())
+    responses = ["x = 2\nSelf-evaluation: correct \\boxed{1}", "x = 5", "x = 4 Self-evaluation: no idea"]
+    a, b, c = judge.score(["1+1=", "2+3=", "2+2="], responses, ["2", "5", "4"], [1, 2, 3])
+    assert verifier.requests[0][0] == chat_prompt_ids(tok, render(VERIFIER_TEMPLATE, prompt="1+1=", response="x = 2",
+                                                                  answer="2"))
+    assert len(meta.requests) == 4 and meta.requests[3][0] == chat_prompt_ids(
+        tok, render(META_TEMPLATE, prompt="1+1=", response="x = 2", analysis="correct \\boxed{1}"))
+    assert a.score == pytest.approx(0.76 * 0.5 + 0.24 * 0.5 * 0.5)
+    assert a.self_verification == {"proof_score": 0.5, "analysis": "correct \\boxed{1}", "self_score": 1.0,
+                                   "format_ok": True, "meta_texts": ["\\boxed{0.5}"], "meta_scores": [0.5]}
+    assert b.score == 0.0 and b.self_verification["analysis"] is None and b.self_verification["proof_score"] == 0.0
+    assert c.score == 0.0 and c.self_verification["proof_score"] == 1.0 and not c.self_verification["format_ok"]
+    info = a.info()
+    assert (info["self_verified"], info["self_format_ok"], info["proof_score"]) == (1, 1, 0.5)
+    json.dumps(info)
+    from megarl.trainer.batching import Sample
+    from megarl.trainer.rollout import rollout_metrics
+
+    metrics = rollout_metrics([Sample(0, i, [1], [2], [-0.1], "stop", reward=v.score, extra=v.info())
+                               for i, v in enumerate((a, b, c))])
+    assert metrics["reward/self_format_frac"] == pytest.approx(1 / 3)
+    assert metrics["reward/proof_score_mean"] == pytest.approx(0.5)  # (0.5 + 0 + 1) / 3
+
+
 # ------------------------------------------------------------------------------------------------------ config
 def _cfg(*overrides):
     from megarl.trainer import load_train_config
@@ -172,6 +235,8 @@ JUDGE = ["reward.name=judge", "pools.judge.urls=[http://j:1]"]
     (JUDGE + ["reward.judge.parser=nomodule_xyz:score"], "reward.judge.parser"),
     (JUDGE + ["reward.judge.meta_verifier.pool=meta"], "reward.judge.meta_verifier.pool"),
     (JUDGE + ["reward.judge.meta_verifier.template=Check {response}"], "reward.judge.meta_verifier.template"),
+    (JUDGE + ["reward.judge.self_verification.beta=-1"], "reward.judge.self_verification"),
+    (JUDGE + ["reward.judge.self_verification.pattern=("], "reward.judge.self_verification.pattern"),
 ])
 def test_config_errors_are_one_line_naming_the_field(overrides, field):
     with pytest.raises(UserError) as info:

@@ -388,3 +388,35 @@ def test_dry_run_prints_memory_per_stage_and_engine():
                    "num_key_value_heads: 4, ffn_hidden_size: 6144, num_experts: 128, moe_ffn_hidden_size: 768}"],
                    nnodes=1, gpus_per_node=8, environ={})
     assert "memory    not estimated: the model shape has no hidden_size, vocab_size (add them to model.shape" in bare
+
+
+def test_dry_run_places_the_engine_pools_as_rank_0_starts_them():
+    """Pools with a model take rank 0's GPUs after the policy engines' (which leave them room when the trainer starts
+    both), with the command megarl.rollout.pools runs; pools with urls are listed; a pool that does not fit is one
+    line naming the field."""
+    from megarl.rollout.pools import pool_server_config
+    from megarl.testing import tiny_model_dir
+
+    m = tiny_model_dir("qwen2")
+    judge = [f"model.path={m}", "reward.name=judge", f"pools.judge.model={m}", "pools.judge.tp_size=2",
+             "pools.meta.urls=[http://h:1]", "reward.judge.meta_verifier.pool=meta"]
+    cfg = load_train_config(None, judge)
+    topo = plan(cfg, 1, 8)
+    assert [e.gpus for e in topo.engines] == [(k,) for k in range(6)]  # GPUs 6-7 left to the judge
+    assert [(p.pool, p.gpus) for p in topo.pool_servers] == [("judge", (6, 7))] and topo.pool_urls == {
+        "meta": ["http://h:1"]}
+    # the printed command is the runtime's, given the policy engine count the plan passes to the trainer
+    runtime = load_train_config(None, judge + ["rollout.engine.num_engines=6"])
+    assert pool_server_config(runtime, "judge", runtime.pools["judge"]).base_gpu_id == 6
+    assert "--base-gpu-id 6" in topo.pool_servers[0].command and "rollout.engine.num_engines=6" in \
+        " ".join(topo.nodes[0].commands)
+    text = format_topology(topo)
+    assert "judge: 1 server(s) started by trainer rank 0 on node 0 (GPUs 6-7)" in text
+    assert 'meta: reached at ["http://h:1"]' in text
+    with pytest.raises(TopologyError, match=r"leaving none for a policy engine"):
+        plan(load_train_config(None, judge + ["pools.judge.num_engines=4"]), 1, 8)
+    disagg = ["rollout.placement=disaggregated", "rollout.engine.nodes=1", "reshard.transport=distributed"]
+    topo = plan(load_train_config(None, judge + disagg), 2, 8)  # the trainer's node has no policy engine
+    assert [p.gpus for p in topo.pool_servers] == [(0, 1)]
+    with pytest.raises(TopologyError, match=r"pools\.judge: server 4 would need GPU 9 .* Fix: .*pools\.judge\.urls"):
+        plan(load_train_config(None, judge + disagg + ["pools.judge.num_engines=5"]), 2, 8)

@@ -76,6 +76,14 @@ class Engine:
 
 
 @dataclass(frozen=True)
+class PoolServer:
+    """One SGLang server of an engine pool (pools.<name>, or the OPD teacher) that trainer rank 0 starts."""
+    pool: str
+    gpus: tuple[int, ...]  # local GPU ids on rank 0's node (empty on CPU)
+    command: str
+
+
+@dataclass(frozen=True)
 class Node:
     index: int
     host: str
@@ -121,6 +129,9 @@ class Topology:
     engine_memory: Optional[mem.EngineMemory] = None
     memory_missing: tuple[str, ...] = ()
     distributed_optimizer: bool = False
+    # the other models' engine pools (megarl.rollout.pools): servers rank 0 starts, and pools reached at their urls
+    pool_servers: tuple[PoolServer, ...] = ()
+    pool_urls: dict = field(default_factory=dict)
 
     def host_of(self, rank: int) -> tuple[int, int]:
         """(node index, local GPU) of a trainer rank."""
@@ -246,10 +257,21 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
              "expert-dp": world // (p.expert_tp * p.ep * p.pp)}
 
     model_path = cfg.model.path or os.path.join(cfg.run_dir, "base-model")
-    per_node = gpus_per_node // engine_tp if on_gpu else engine_cfg.num_engines
     # Colocated on one node: the trainer's rank 0 starts the engines itself (megarl.trainer.rl), which is the path
     # that releases engine memory between phases. Anything spanning nodes is pre-launched on each node.
     started_by = "trainer" if placement == "colocated" and nnodes == 1 else "nodes"
+    # the other models' pools that rank 0 starts take GPUs of its node after the policy engines' (megarl.rollout.pools)
+    started_pools = [(name, pool) for name, pool in _model_pools(cfg) if pool.model]
+    pool_gpus = sum(pool.num_engines * pool.tp_size for _, pool in started_pools) if on_gpu else 0
+    if pool_gpus and started_by == "trainer":  # the policy engines leave those GPUs to the pools
+        per_node = (gpus_per_node - pool_gpus) // engine_tp
+        if per_node < 1:
+            raise TopologyError(
+                f"the engine pools {[n for n, _ in started_pools]} take {pool_gpus} of the {gpus_per_node} GPUs, "
+                f"leaving none for a policy engine of rollout.engine.tp_size={engine_tp}. Fix: run those pools "
+                "elsewhere and give their pools.<name>.urls, or smaller pools (num_engines, tp_size)")
+    else:
+        per_node = gpus_per_node // engine_tp if on_gpu else engine_cfg.num_engines
     engines = []
     for node in engine_nodes:
         for k in range(per_node):
@@ -287,6 +309,13 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
             notes.append("disaggregated: the engines join the weight-broadcast group at trainer rank 0's host name "
                          "(socket.gethostname()); set reshard.master_address if the engines reach it by another name")
 
+    pool_servers = _pool_servers(cfg, started_pools, engine_tp * len(engines) if started_by == "trainer" else 0,
+                                 gpus_per_node, on_gpu)
+    if started_pools and on_gpu:
+        notes.append(f"the engine pools {[n for n, _ in started_pools]} are started by trainer rank 0 on node "
+                     f"{trainer_nodes[0]}, on GPUs the trainer also trains on, and keep their memory throughout (only "
+                     "the policy's engines release theirs); for large judges or teachers, start their servers on "
+                     "nodes of their own and set pools.<name>.urls (teacher.urls)")
     rdzv_endpoint = f"{hosts[trainer_nodes[0]]}:{rdzv_port}"  # the c10d store runs on the first trainer node
     node_plans = []
     for node in range(nnodes):
@@ -330,7 +359,35 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
                     nodes=tuple(node_plans), launch_source=launch_source, notes=tuple(notes),
                     stage_layers=stage_layers, pipeline_split=split, device=device, memory=memory,
                     engine_memory=engine_mem, memory_missing=missing,
-                    distributed_optimizer=cfg.optim.distributed_optimizer)
+                    distributed_optimizer=cfg.optim.distributed_optimizer, pool_servers=tuple(pool_servers),
+                    pool_urls={name: list(pool.urls) for name, pool in _model_pools(cfg) if pool.urls})
+
+
+def _model_pools(cfg) -> list:
+    """(name, PoolConfig) of every other model the run serves: the OPD teacher, then pools: in config order."""
+    teacher = [("teacher", cfg.teacher)] if cfg.teacher.enabled else []
+    return teacher + list(cfg.pools.items())
+
+
+def _pool_servers(cfg, started_pools: list, policy_gpus: int, gpus_per_node: int, on_gpu: bool) -> list:
+    """The servers of the pools rank 0 starts, as megarl.rollout.pools starts them (their GPUs after the policy
+    engines' `policy_gpus` on rank 0's node); a TopologyError when they do not fit on the node."""
+    from ..rollout.pools import first_gpus, pool_server_config
+    from ..rollout.server import server_command
+
+    first = first_gpus(cfg, policy_gpus)
+    servers = []
+    for name, pool in started_pools:
+        for i in range(pool.num_engines):
+            gpus = tuple(range(first[name] + i * pool.tp_size, first[name] + (i + 1) * pool.tp_size)) if on_gpu else ()
+            if gpus and gpus[-1] >= gpus_per_node:
+                raise TopologyError(
+                    f"pools.{name}: server {i} would need GPU {gpus[-1]} on trainer rank 0's node, which has "
+                    f"{gpus_per_node} (GPUs 0-{first[name] - 1} go to the policy engines and the pools before it). "
+                    f"Fix: start it elsewhere and set pools.{name}.urls, or lower pools.{name}.num_engines / tp_size")
+            cmd, _ = server_command(pool_server_config(cfg, name, pool, i, policy_gpus), "FREE_PORT", on_gpu=on_gpu)
+            servers.append(PoolServer(pool=name, gpus=gpus, command=shlex.join(["python"] + cmd[1:])))
+    return servers
 
 
 def engine_command(cfg, model_path: str, index: int, host: str, port: Optional[int],
@@ -464,6 +521,15 @@ def format_topology(topo: Topology, verbose: bool = False) -> str:
         lines.append("  started by the trainer's rank 0 (rollout.engine.urls stays empty); each runs the command below")
     else:
         lines.append(f"  rollout.engine.urls for the trainer: {json.dumps(list(topo.engine_urls))}")
+    if topo.pool_servers or topo.pool_urls:
+        lines.append("pools     other models' SGLang servers (judges, verifiers, the OPD teacher); never weight-synced")
+        for name in dict.fromkeys([p.pool for p in topo.pool_servers]):
+            servers = [p for p in topo.pool_servers if p.pool == name]
+            gpus = ", ".join(f"GPUs {_range(p.gpus)}" for p in servers if p.gpus) or "CPU"
+            lines.append(f"  {name}: {len(servers)} server(s) started by trainer rank 0 on node "
+                         f"{topo.trainer_nodes[0]} ({gpus})")
+        for name, urls in topo.pool_urls.items():
+            lines.append(f"  {name}: reached at {json.dumps(urls)}")
     lines.append("")
     lines.append("commands per node (each a long-running process: start the SGLang servers first, in the "
                  "background or one srun step each; the trainer waits for them up to rollout.engine.startup_timeout_s)")
@@ -475,6 +541,11 @@ def format_topology(topo: Topology, verbose: bool = False) -> str:
         lines.append("  started by trainer rank 0 on node 0 (megarl.rollout.server), equivalent to:")
         for e in topo.engines:
             lines.append(f"    {e.command}")
+    if topo.pool_servers:
+        lines.append(f"  the pools' servers, started by trainer rank 0 on node {topo.trainer_nodes[0]} "
+                     "(megarl.rollout.pools), equivalent to:")
+        for p in topo.pool_servers:
+            lines.append(f"    {p.command}")
     if topo.notes:
         lines.append("")
         lines.append("notes")

@@ -63,8 +63,7 @@ class WeightSync:
             raise
         dist.barrier()
         if rank == 0:
-            self.client.end_weight_update()
-            self.client.flush_cache()
+            self.client.end_weight_update()  # each update flushed the engine's prefix cache (transports._flush)
         self.count += 1
         stats = {"sync_s": time.perf_counter() - start, "pushed_bytes": _sum(pushed_bytes),
                  "buckets": int(_sum(buckets)), "version": version}

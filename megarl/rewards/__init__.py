@@ -6,7 +6,8 @@ parses the reference and the response, LaTeX or plain, and checks mathematical e
 (whitespace/case-normalised string, or numeric, equality), `code` (the response's last Python block runs in
 megarl.sandbox and is judged outside it against the answer's tests: 1.0 when all pass; see megarl.rewards.code).
 `reward.name: "my_pkg.rewards:score"` loads a user function by dotted path. `judge` is a generative reward: a model
-served by an engine pool judges each response (megarl.rewards.judge; scored by the rollout, not in this pool).
+served by an engine pool judges each response (megarl.rewards.judge; scored by the rollout, not in this pool);
+`verifier_agreement` trains a verifier: 1 - |its score - the labelled score| (megarl.rewards.judge).
 """
 from . import code  # registers "code" (tests run in the sandbox)
 from . import judge as _judge  # registers "judge" (a generative reward, scored by the rollout through its pool)

@@ -18,6 +18,13 @@ where q_k reduces the meta-verifier's judgements of analysis k; unparseable anal
 have no claims to check, so they are not sent to the meta-verifier); the response's score reduces the values over its
 n analyses. Both models' texts are kept per sample (Sample.extra["judge"], so they land in the rollout dumps).
 
+Self-verification (reward.judge.self_verification), DeepSeekMath-V2 sec. 2.2.2: the generator writes a solution Y,
+then, after a marker, its own analysis Z of Y ending in a self-score s'. The verifier (and meta-verifier, as above)
+judges Y alone, giving s = R_Y; the meta-verifier, when configured, also scores Z's faithfulness, R_meta(Z) (1 without
+one). The reward is R = R_format(Y, Z) * (alpha * R_Y + beta * R_Z) with R_Z = R_score(s', s) * R_meta(Z),
+R_score(s', s) = 1 - |s' - s|, and R_format = 0 when the marker or a parseable s' is missing (paper: alpha = 0.76,
+beta = 0.24): the generator gains by a better solution and by an honest assessment of its own.
+
 Judging runs in the rollout's chunk threads (megarl.trainer.rollout.Rollout.generate): each chunk's responses are
 judged as soon as the chunk returns, while later chunks still generate.
 """
@@ -43,6 +50,7 @@ META_TEMPLATE = ("Problem:\n{prompt}\n\nSolution:\n{response}\n\nA grader's anal
 
 # the last \boxed{x} or "Score: x" (x a plain decimal number)
 DEFAULT_PATTERN = r"\\boxed\{\s*([-+]?\d*\.?\d+)\s*\}|Score:\s*([-+]?\d*\.?\d+)"
+_DEFAULT_REGEX = re.compile(DEFAULT_PATTERN)
 _PLACEHOLDER = re.compile(r"\{(prompt|response|answer|analysis)\}")
 
 
@@ -51,6 +59,22 @@ def judge(response: str, answer, **_) -> float:
     """The name reward.name: judge resolves to. A generative reward is scored by the rollout through its judge pool
     (Judge below), never in a reward process: reaching here is a wiring error."""
     raise RuntimeError("reward.name=judge is scored by the rollout's Judge (megarl.rewards.judge), not by RewardPool")
+
+
+@register_reward("verifier_agreement")
+def verifier_agreement(response: str, answer, **_) -> float:
+    """Training a verifier (DeepSeekMath-V2 sec. 2.1.1): the policy is the verifier, its prompt a verification request
+    for a (problem, solution) pair, its answer the pair's labelled score s. The response is an analysis ending in a
+    score s' (the last \\boxed{x} or "Score: x"); R = R_format * R_score = 1 - |s' - s|, and 0 when no score in [0, 1]
+    parses (R_format)."""
+    label = _number(answer)
+    if label is None or not 0.0 <= label <= 1.0:
+        raise ValueError(f"verifier_agreement: the answer must be the labelled score in [0, 1], got {answer!r}. Fix: "
+                         "each data row's answer is the (problem, solution)'s score, e.g. 0, 0.5 or 1")
+    score = parse_score(response, _DEFAULT_REGEX)
+    if score is None or not 0.0 <= score <= 1.0:
+        return 0.0
+    return 1.0 - abs(score - label)
 
 
 # ------------------------------------------------------------------------------------------------- pure functions
@@ -142,6 +166,23 @@ def reduce_judgements(parsed: list[float | None], how: str, on_parse_error: str,
     return reduce_scores(kept, how) if kept else parse_error_score
 
 
+def split_self_analysis(response: str, marker: str) -> tuple[str, str | None]:
+    """(solution Y, self-analysis Z) split at the last `marker` (which belongs to neither); Z is None without one."""
+    at = response.rfind(marker)
+    if at < 0:
+        return response, None
+    return response[:at].rstrip(), response[at + len(marker):].strip()
+
+
+def self_verification_reward(proof_score: float, self_score: float | None, meta_quality: float = 1.0,
+                             alpha: float = 0.76, beta: float = 0.24) -> float:
+    """DeepSeekMath-V2's generator reward: alpha * s + beta * (1 - |s' - s|) * R_meta(Z), with s the verifier's score of
+    the solution and s' the generator's own; 0 (R_format) when s' is None (no self-analysis or no parseable score)."""
+    if self_score is None:
+        return 0.0
+    return alpha * proof_score + beta * (1.0 - abs(self_score - proof_score)) * meta_quality
+
+
 # ------------------------------------------------------------------------------------------------ judging
 @dataclass
 class Verdict:
@@ -152,14 +193,23 @@ class Verdict:
     meta_texts: list[list[str]] | None = None  # per verifier judgement: the meta-verifier's (empty when unparsed)
     meta_scores: list[list[float | None]] | None = None
     parse_errors: int = 0  # unparseable judgements, the meta-verifier's included
+    # self-verification: {"proof_score", "analysis", "self_score", "format_ok", "meta_texts", "meta_scores"}
+    self_verification: dict | None = None
 
     def info(self) -> dict:
         """For Sample.extra: {"judge": {...}, "judge_parse_errors": n, "judged": 1} (the last two are summed into
-        reward/judge_parse_errors by megarl.trainer.rollout.rollout_metrics)."""
+        reward/judge_parse_errors by megarl.trainer.rollout.rollout_metrics; with self-verification also
+        "self_verified", "self_format_ok" and "proof_score", summed into reward/self_format_frac and
+        reward/proof_score_mean)."""
         judged = {"score": self.score, "texts": self.texts, "scores": self.scores}
         if self.meta_texts is not None:
             judged.update(meta_texts=self.meta_texts, meta_scores=self.meta_scores)
-        return {"judge": judged, "judge_parse_errors": self.parse_errors, "judged": 1}
+        info = {"judge": judged, "judge_parse_errors": self.parse_errors, "judged": 1}
+        if self.self_verification is not None:
+            judged["self_verification"] = self.self_verification
+            info.update(self_verified=1, self_format_ok=int(self.self_verification["format_ok"]),
+                        proof_score=self.self_verification["proof_score"])
+        return info
 
 
 class JudgeModel:
@@ -207,8 +257,11 @@ class Judge:
     """reward.name: judge. score(...) judges a chunk of responses; with a meta-verifier, as DeepSeekMath-V2 composes
     them (module docstring)."""
 
-    def __init__(self, verifier: JudgeModel, meta: JudgeModel | None = None):
+    def __init__(self, verifier: JudgeModel, meta: JudgeModel | None = None, self_verification=None):
         self.verifier, self.meta = verifier, meta
+        self.self_verification = self_verification  # a SelfVerificationConfig, or None
+        if self_verification is not None:
+            self.parse_self_score = make_parser(self_verification.pattern)
 
     @classmethod
     def from_config(cls, cfg, routers: dict, deterministic: bool = True) -> "Judge":
@@ -227,9 +280,36 @@ class Judge:
 
         j = cfg.reward.judge
         meta = model(j.meta_verifier, META_TEMPLATE, "reward.judge.meta_verifier") if j.meta_verifier else None
-        return cls(model(j, VERIFIER_TEMPLATE, "reward.judge"), meta)
+        return cls(model(j, VERIFIER_TEMPLATE, "reward.judge"), meta, j.self_verification)
 
     def score(self, prompts: list[str], responses: list[str], answers: list, seeds: list[int | None]) -> list[Verdict]:
+        """One Verdict per response (its score is the reward)."""
+        if self.self_verification is None:
+            return self._judge(prompts, responses, answers, seeds)
+        sv = self.self_verification
+        split = [split_self_analysis(r, sv.marker) for r in responses]
+        verdicts = self._judge(prompts, [y for y, _ in split], answers, seeds)  # the verifier sees the solution only
+        self_scores = [None if z is None else self.parse_self_score(z) for _, z in split]
+        # R_meta(Z): the meta-verifier reads the self-analysis as it reads a verifier's analysis (one batched request)
+        asks = [i for i, s in enumerate(self_scores) if s is not None] if self.meta is not None else []
+        meta_texts = self.meta.sample([{"prompt": prompts[i], "response": split[i][0], "answer": answers[i],
+                                        "analysis": split[i][1]} for i in asks],
+                                      [None if seeds[i] is None else seeds[i] + 104_729 for i in asks]) if asks else []
+        by_response = dict(zip(asks, meta_texts))
+        m = self.meta.stage if self.meta is not None else None
+        for i, (verdict, (_, analysis), self_score) in enumerate(zip(verdicts, split, self_scores)):
+            texts = by_response.get(i, [])
+            parsed = [self.meta.parse(t) for t in texts]
+            quality = reduce_judgements(parsed, m.reduce, m.on_parse_error, m.parse_error_score) if texts else 1.0
+            proof_score = verdict.score
+            verdict.score = self_verification_reward(proof_score, self_score, quality, sv.alpha, sv.beta)
+            verdict.parse_errors += sum(p is None for p in parsed)
+            verdict.self_verification = {"proof_score": proof_score, "analysis": analysis, "self_score": self_score,
+                                         "format_ok": self_score is not None, "meta_texts": texts,
+                                         "meta_scores": parsed}
+        return verdicts
+
+    def _judge(self, prompts: list[str], responses: list[str], answers: list, seeds: list[int | None]) -> list[Verdict]:
         v = self.verifier.stage
         items = [{"prompt": p, "response": r, "answer": a} for p, r, a in zip(prompts, responses, answers)]
         texts = self.verifier.sample(items, seeds)

@@ -18,11 +18,14 @@ from .router import EngineRouter
 from .server import ServerConfig, SGLangServer, engine_server_config
 
 
-def first_gpus(cfg) -> dict[str, int]:
-    """The first GPU of each started pool's servers on rank 0's node: after the policy engines, the teacher, then the
+def first_gpus(cfg, policy_gpus: int | None = None) -> dict[str, int]:
+    """The first GPU of each started pool's servers on rank 0's node: after the policy engines' (`policy_gpus`, default
+    rollout.engine.num_engines x tp_size when rank 0 starts them, 0 with rollout.engine.urls), the teacher, then the
     pools in config order (each server takes tp_size GPUs)."""
     e = cfg.rollout.engine
-    offset, out = e.num_engines * e.tp_size, {}
+    if policy_gpus is None:
+        policy_gpus = 0 if e.urls else e.num_engines * e.tp_size
+    offset, out = policy_gpus, {}
     started = ([("teacher", cfg.teacher)] if cfg.teacher.model else []) + \
         [(name, pool) for name, pool in cfg.pools.items() if pool.model]
     for name, pool in started:
@@ -31,14 +34,14 @@ def first_gpus(cfg) -> dict[str, int]:
     return out
 
 
-def pool_server_config(cfg, name: str, pool, index: int = 0) -> ServerConfig:
+def pool_server_config(cfg, name: str, pool, index: int = 0, policy_gpus: int | None = None) -> ServerConfig:
     """Server `index` of pool `name` (a PoolConfig; the teacher's too): the policy engines' ServerConfig with the pool's
-    model, TP size, dtype and KV budget, its own log folder, its GPUs, and no MoE routing flag (a pool's routing is
-    never replayed)."""
+    model, TP size, dtype and KV budget, its own log folder, its GPUs (see first_gpus), and no MoE routing flag (a
+    pool's routing is never replayed)."""
     e = cfg.rollout.engine
     base = engine_server_config(cfg, pool.model, e.num_engines + index,
                                 log_dir=os.path.join(cfg.run_dir, "engine", name),
-                                base_gpu_id=first_gpus(cfg)[name] + index * pool.tp_size)
+                                base_gpu_id=first_gpus(cfg, policy_gpus)[name] + index * pool.tp_size)
     return replace(base, tp_size=pool.tp_size, dtype=pool.dtype, extra_args=list(e.extra_args),
                    max_total_tokens=pool.max_total_tokens or base.max_total_tokens)
 

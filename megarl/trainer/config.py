@@ -195,10 +195,23 @@ class JudgeStage:
 
 
 @dataclass
+class SelfVerificationConfig:
+    """reward.judge.self_verification (DeepSeekMath-V2): the policy writes its solution, then `marker`, then its own
+    analysis ending in a self-score; reward = alpha * verifier score of the solution + beta * (1 - |self-score -
+    verifier score|) * meta-verifier's score of the self-analysis (1 without a meta_verifier); 0 when the marker or the
+    self-score is missing (megarl.rewards.judge)."""
+    marker: str = "Self-evaluation:"
+    pattern: Optional[str] = None  # the self-score in the analysis (None: the last \boxed{x} or "Score: x")
+    alpha: float = 0.76  # the paper's weights
+    beta: float = 0.24
+
+
+@dataclass
 class JudgeConfig(JudgeStage):
     """reward.name: judge. meta_verifier (DeepSeekMath-V2): a second model reads each parsed verifier analysis
     ({analysis}) and scores its faithfulness in [0, 1]; the response's score is then verifier x meta quality."""
     meta_verifier: Optional[JudgeStage] = None
+    self_verification: Optional[SelfVerificationConfig] = None
 
 
 @dataclass
@@ -517,6 +530,20 @@ class TrainConfig:
                 stages.append(("reward.judge.meta_verifier", self.reward.judge.meta_verifier))
             for field_name, stage in stages:
                 _validate_judge_stage(field_name, stage, pools, meta=field_name.endswith("meta_verifier"))
+            sv = self.reward.judge.self_verification
+            if sv is not None:
+                if not sv.marker.strip():
+                    raise ConfigError("reward.judge.self_verification.marker is empty. Fix: the text that starts the "
+                                      "policy's self-analysis, e.g. 'Self-evaluation:'")
+                if sv.alpha < 0 or sv.beta < 0 or sv.alpha + sv.beta <= 0:
+                    raise ConfigError(f"reward.judge.self_verification: alpha={sv.alpha} and beta={sv.beta} must be "
+                                      ">= 0 and not both 0. Fix: e.g. the paper's alpha=0.76, beta=0.24")
+                from ..rewards.judge import make_parser
+
+                try:
+                    make_parser(sv.pattern)
+                except ValueError as e:
+                    raise ConfigError(f"reward.judge.self_verification.pattern: {e}") from None
 
     def _validate_placement(self) -> None:
         engine = self.rollout.engine

@@ -286,7 +286,7 @@ class Rollout:
 
 _SUMS = ("samples", "reward", "reward_sq", "passed", "response_tokens", "truncated", "multi_turn", "turns", "max_turns",
          "observation_tokens", "with_tool_calls", "tool_calls", "tool_errors", "bad_tool_calls", "stale", "tokens",
-         "judged", "judge_parse_errors")
+         "judged", "judge_parse_errors", "self_verified", "self_format_ok", "proof_score")
 
 
 def rollout_metrics(samples: list[Sample], workers: Workers = Workers(), weight_version: str | None = None) -> dict:
@@ -305,7 +305,8 @@ def rollout_metrics(samples: list[Sample], workers: Workers = Workers(), weight_
         sum(s.extra.get("tool_calls", 0) > 0 for s in samples), total("tool_calls"), total("tool_errors"),
         sum(s.extra.get("bad_tool_calls", 0) > 0 for s in samples),
         sum(s.extra.get("weight_version") != weight_version for s in samples) if weight_version else 0,
-        sum(len(s.prompt_ids) + len(s.response_ids) for s in samples), total("judged"), total("judge_parse_errors")],
+        sum(len(s.prompt_ids) + len(s.response_ids) for s in samples), total("judged"), total("judge_parse_errors"),
+        total("self_verified"), total("self_format_ok"), total("proof_score")],
         dtype=torch.float64)
     t = dict(zip(_SUMS, workers.sum(sums).tolist()))
     longest = workers.max(torch.tensor([max((len(s.response_ids) for s in samples), default=0)], dtype=torch.float64))
@@ -319,6 +320,9 @@ def rollout_metrics(samples: list[Sample], workers: Workers = Workers(), weight_
     metrics["rollout/stale_weight_frac"] = t["stale"] / n if weight_version else 0.0
     if t["judged"]:  # a generative reward (megarl.rewards.judge): its unparseable judgements, all models
         metrics["reward/judge_parse_errors"] = int(t["judge_parse_errors"])
+    if t["self_verified"]:  # self-verification: how often the policy assessed itself, and its solutions' own score
+        metrics["reward/self_format_frac"] = t["self_format_ok"] / t["self_verified"]
+        metrics["reward/proof_score_mean"] = t["proof_score"] / t["self_verified"]
     if t["multi_turn"]:  # multi-turn episodes
         metrics.update({
             "rollout/turns_mean": t["turns"] / n, "rollout/max_turns_frac": t["max_turns"] / n,
