@@ -57,24 +57,25 @@ def _place(root_pid: int, engine_cpus: set[int], trainer_cpus: set[int], done: t
         done.wait(0.5)
 
 
-def run_name(k: int, partial: bool) -> str:
-    return f"k{k}" if partial or not k else f"k{k}-fixed"
+def run_name(k: int, partial: bool, mismatch: str | None = None) -> str:
+    return (f"k{k}" if partial or not k else f"k{k}-fixed") + (f"-{mismatch}" if mismatch and k else "")
 
 
 def run_one(k: int, partial: bool, seed: int, steps: int, work: str, ckpt: str,
-            cpus: tuple[set[int], set[int]]) -> dict:
+            cpus: tuple[set[int], set[int]], mismatch: str | None = None) -> dict:
+    mismatch = mismatch if k else None  # the synchronous run has no stale tokens to correct
     seed_dir = os.path.join(work, f"seed{seed}")
-    run_dir = os.path.join(seed_dir, run_name(k, partial))
+    run_dir = os.path.join(seed_dir, run_name(k, partial, mismatch))
     subprocess.run(["rm", "-rf", run_dir], check=True)
     overrides = [f"run_dir={run_dir}", f"seed={seed}", "model.tiny=null", f"model.path={seed_dir}/base-model",
                  f"model.load={ckpt}", "sft.steps=0", f"rl.steps={steps}", f"rl.max_staleness={k}",
                  f"rl.partial_rollouts={str(partial).lower()}", "checkpoint.export_hf=false", "logging.wandb=disabled",
-                 "logging.progress=false"]
+                 "logging.progress=false"] + ([f"algorithm.mismatch.mode={mismatch}"] if mismatch else [])
     from megarl.parallel.env import free_port
 
     cmd = [sys.executable, "-m", "megarl.launch.torchrun", "--nproc_per_node", "1", "--master_port", str(free_port()),
            "-m", "megarl.cli", "train", CONFIG, *overrides]
-    log = os.path.join(seed_dir, f"{run_name(k, partial)}.log")
+    log = os.path.join(seed_dir, f"{run_name(k, partial, mismatch)}.log")
     print(f"[async_rl] seed {seed} k={k}{'' if partial or not k else ' fixed schedule'}: {steps} RL steps -> "
           f"{run_dir}", flush=True)
     done = threading.Event()
@@ -98,7 +99,7 @@ def run_one(k: int, partial: bool, seed: int, steps: int, work: str, ckpt: str,
     else:  # synchronous: the engine generates during the rollout phase only
         busy = waiting
     summary = json.load(open(os.path.join(run_dir, "rl_summary.json")))
-    return {"max_staleness": k, "partial": bool(k) and partial, "steps": steps, "seed": seed, "wall_s": round(wall, 1),
+    return {"max_staleness": k, "partial": bool(k) and partial, "mismatch": mismatch, "steps": steps, "seed": seed, "wall_s": round(wall, 1),
             "rl_wall_s": round(sum(step_s), 1), "step_s_mean": round(sum(step_s) / len(step_s), 3),
             "rollout_busy_frac": round(busy / sum(step_s), 3), "train_busy_frac": round(1 - waiting / sum(step_s), 3),
             "pass_at_1_before": summary["pass_at_1_before"], "pass_at_1_after": summary["pass_at_1_after"]}
@@ -153,12 +154,12 @@ def timeline(run_dirs: dict[int, str], path: str, first: int = 10, steps: int = 
 def table(results: dict) -> str:
     runs = results["runs"]
     sync = {r["seed"]: r for r in runs if r["max_staleness"] == 0}
-    lines = ["| k | partial | seed | steps | RL wall s | vs k=0 | step s | engine busy | trainer busy | pass@1 before "
-             "-> after |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(runs, key=lambda r: (r["seed"], r["max_staleness"], r["partial"])):
+    lines = ["| k | partial | mismatch | seed | steps | RL wall s | vs k=0 | step s | engine busy | trainer busy | pass@1 before "
+             "-> after |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(runs, key=lambda r: (r["seed"], r["max_staleness"], r["partial"], r.get("mismatch") or "")):
         base = sync.get(r["seed"])
         ratio = f"{r['rl_wall_s'] / base['rl_wall_s']:.2f}x" if base else "-"
-        lines.append(f"| {r['max_staleness']} | {'yes' if r['partial'] else 'no' if r['max_staleness'] else '-'} | {r['seed']} | {r['steps']} | "
+        lines.append(f"| {r['max_staleness']} | {'yes' if r['partial'] else 'no' if r['max_staleness'] else '-'} | {r.get('mismatch') or '-'} | {r['seed']} | {r['steps']} | "
                      f"{r['rl_wall_s']:.0f} | {ratio} | {r['step_s_mean']:.2f} | {r['rollout_busy_frac']:.0%} | "
                      f"{r['train_busy_frac']:.0%} | {r['pass_at_1_before']:.1f} -> {r['pass_at_1_after']:.1f} |")
     return "\n".join(lines)
@@ -169,6 +170,8 @@ def main(argv=None) -> int:
     p.add_argument("--staleness", default="0,1,2", help="comma-separated rl.max_staleness values (default 0,1,2), "
                    "with partial rollouts; K-fixed: k = K on the fixed schedule (no partial rollouts), e.g. 1-fixed")
     p.add_argument("--seeds", default="0")
+    p.add_argument("--mismatch", default=None, help="algorithm.mismatch.mode of the k >= 1 runs (e.g. tis: the "
+                   "decoupled PPO objective; default: the config's, none)")
     p.add_argument("--steps", type=int, default=40, help="RL steps per run (default 40)")
     p.add_argument("--sft-steps", type=int, default=400, help="SFT steps per seed (default: the quickstart's 400)")
     p.add_argument("--engine-cpus", default="1", help="cores of the SGLang engine (default 1)")
@@ -189,10 +192,11 @@ def main(argv=None) -> int:
             ckpt = ensure_sft(args.work, seed, {"sft_steps": args.sft_steps, "set": []})
             for spec in args.staleness.split(","):
                 k, partial = int(spec.removesuffix("-fixed")), not spec.endswith("-fixed")
+                mismatch = args.mismatch if k else None
                 if any(r["seed"] == seed and r["max_staleness"] == k and r["partial"] == (partial and k > 0)
-                       for r in results["runs"]):
+                       and r.get("mismatch") == mismatch for r in results["runs"]):
                     continue
-                results["runs"].append(run_one(k, partial, seed, args.steps, args.work, ckpt, cpus))
+                results["runs"].append(run_one(k, partial, seed, args.steps, args.work, ckpt, cpus, mismatch))
                 os.makedirs(os.path.dirname(args.out), exist_ok=True)
                 with open(args.out + ".tmp", "w") as f:
                     json.dump(results, f, indent=1)
@@ -201,7 +205,7 @@ def main(argv=None) -> int:
     seed = min(r["seed"] for r in results["runs"]) if results["runs"] else None
     dirs = {r["max_staleness"]: os.path.join(args.work, f"seed{seed}", f"k{r['max_staleness']}")
             for r in results["runs"] if r["seed"] == seed and r["max_staleness"] <= 1 and
-            (r["partial"] or not r["max_staleness"])}
+            (r["partial"] or not r["max_staleness"]) and not r.get("mismatch")}
     if dirs and all(os.path.isfile(os.path.join(d, "metrics.jsonl")) for d in dirs.values()):
         print("timeline:", timeline(dirs, os.path.splitext(args.out)[0] + "_timeline.png",
                                     first=min(10, args.steps // 2)))
