@@ -63,7 +63,6 @@ def run_name(k: int, partial: bool, mismatch: str | None = None) -> str:
 
 def run_one(k: int, partial: bool, seed: int, steps: int, work: str, ckpt: str,
             cpus: tuple[set[int], set[int]], mismatch: str | None = None) -> dict:
-    mismatch = mismatch if k else None  # the synchronous run has no stale tokens to correct
     seed_dir = os.path.join(work, f"seed{seed}")
     run_dir = os.path.join(seed_dir, run_name(k, partial, mismatch))
     subprocess.run(["rm", "-rf", run_dir], check=True)
@@ -99,7 +98,8 @@ def run_one(k: int, partial: bool, seed: int, steps: int, work: str, ckpt: str,
     else:  # synchronous: the engine generates during the rollout phase only
         busy = waiting
     summary = json.load(open(os.path.join(run_dir, "rl_summary.json")))
-    return {"max_staleness": k, "partial": bool(k) and partial, "mismatch": mismatch, "steps": steps, "seed": seed, "wall_s": round(wall, 1),
+    return {"max_staleness": k, "partial": bool(k) and partial, "mismatch": mismatch, "steps": steps, "seed": seed,
+            "wall_s": round(wall, 1),
             "rl_wall_s": round(sum(step_s), 1), "step_s_mean": round(sum(step_s) / len(step_s), 3),
             "rollout_busy_frac": round(busy / sum(step_s), 3), "train_busy_frac": round(1 - waiting / sum(step_s), 3),
             "pass_at_1_before": summary["pass_at_1_before"], "pass_at_1_after": summary["pass_at_1_after"]}
@@ -154,12 +154,13 @@ def timeline(run_dirs: dict[int, str], path: str, first: int = 10, steps: int = 
 def table(results: dict) -> str:
     runs = results["runs"]
     sync = {r["seed"]: r for r in runs if r["max_staleness"] == 0}
-    lines = ["| k | partial | mismatch | seed | steps | RL wall s | vs k=0 | step s | engine busy | trainer busy | pass@1 before "
-             "-> after |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| k | partial | mismatch | seed | steps | RL wall s | vs k=0 | step s | engine busy | trainer busy | "
+             "pass@1 before -> after |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(runs, key=lambda r: (r["seed"], r["max_staleness"], r["partial"], r.get("mismatch") or "")):
         base = sync.get(r["seed"])
         ratio = f"{r['rl_wall_s'] / base['rl_wall_s']:.2f}x" if base else "-"
-        lines.append(f"| {r['max_staleness']} | {'yes' if r['partial'] else 'no' if r['max_staleness'] else '-'} | {r.get('mismatch') or '-'} | {r['seed']} | {r['steps']} | "
+        partial = "yes" if r["partial"] else "no" if r["max_staleness"] else "-"
+        lines.append(f"| {r['max_staleness']} | {partial} | {r.get('mismatch') or '-'} | {r['seed']} | {r['steps']} | "
                      f"{r['rl_wall_s']:.0f} | {ratio} | {r['step_s_mean']:.2f} | {r['rollout_busy_frac']:.0%} | "
                      f"{r['train_busy_frac']:.0%} | {r['pass_at_1_before']:.1f} -> {r['pass_at_1_after']:.1f} |")
     return "\n".join(lines)
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
             ckpt = ensure_sft(args.work, seed, {"sft_steps": args.sft_steps, "set": []})
             for spec in args.staleness.split(","):
                 k, partial = int(spec.removesuffix("-fixed")), not spec.endswith("-fixed")
-                mismatch = args.mismatch if k else None
+                mismatch = args.mismatch if k else None  # the synchronous run has no stale tokens to correct
                 if any(r["seed"] == seed and r["max_staleness"] == k and r["partial"] == (partial and k > 0)
                        and r.get("mismatch") == mismatch for r in results["runs"]):
                     continue

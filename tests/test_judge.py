@@ -183,8 +183,8 @@ def test_self_verification_judges_the_solution_alone_and_the_self_analysis_by_th
     tok = AutoTokenizer.from_pretrained(tiny_model_dir("qwen2"))
     verifier = ScriptedRouter(tok, ["\\boxed{0.5}", "\\boxed{0}", "\\boxed{1}"])
     meta = ScriptedRouter(tok, ["\\boxed{1}", "\\boxed{1}", "\\boxed{1}", "\\boxed{0.5}"])
-    judge = Judge(JudgeModel(_stage(), verifier, tok, VERIFIER_TEMPLATE), JudgeModel(_stage(), meta, tok, META_TEMPLATE),
-                  SelfVerificationConfig())
+    judge = Judge(JudgeModel(_stage(), verifier, tok, VERIFIER_TEMPLATE),
+                  JudgeModel(_stage(), meta, tok, META_TEMPLATE), SelfVerificationConfig())
     responses = ["x = 2\nSelf-evaluation: correct \\boxed{1}", "x = 5", "x = 4 Self-evaluation: no idea"]
     a, b, c = judge.score(["1+1=", "2+3=", "2+2="], responses, ["2", "5", "4"], [1, 2, 3])
     assert verifier.requests[0][0] == chat_prompt_ids(tok, render(VERIFIER_TEMPLATE, prompt="1+1=", response="x = 2",

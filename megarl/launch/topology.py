@@ -261,7 +261,9 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
     # that releases engine memory between phases. Anything spanning nodes is pre-launched on each node.
     started_by = "trainer" if placement == "colocated" and nnodes == 1 else "nodes"
     # the other models' pools that rank 0 starts take GPUs of its node after the policy engines' (megarl.rollout.pools)
-    started_pools = [(name, pool) for name, pool in _model_pools(cfg) if pool.model]
+    from ..rollout.pools import model_pools
+
+    started_pools = [(name, pool) for name, pool in model_pools(cfg) if pool.model]
     pool_gpus = sum(pool.num_engines * pool.tp_size for _, pool in started_pools) if on_gpu else 0
     if pool_gpus and started_by == "trainer":  # the policy engines leave those GPUs to the pools
         per_node = (gpus_per_node - pool_gpus) // engine_tp
@@ -360,13 +362,7 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
                     stage_layers=stage_layers, pipeline_split=split, device=device, memory=memory,
                     engine_memory=engine_mem, memory_missing=missing,
                     distributed_optimizer=cfg.optim.distributed_optimizer, pool_servers=tuple(pool_servers),
-                    pool_urls={name: list(pool.urls) for name, pool in _model_pools(cfg) if pool.urls})
-
-
-def _model_pools(cfg) -> list:
-    """(name, PoolConfig) of every other model the run serves: the OPD teacher, then pools: in config order."""
-    teacher = [("teacher", cfg.teacher)] if cfg.teacher.enabled else []
-    return teacher + list(cfg.pools.items())
+                    pool_urls={name: list(pool.urls) for name, pool in model_pools(cfg) if pool.urls})
 
 
 def _pool_servers(cfg, started_pools: list, policy_gpus: int, gpus_per_node: int, on_gpu: bool) -> list:

@@ -33,9 +33,10 @@ from .buckets import BucketPacker, FlatBucket
 
 
 def _flush() -> dict:
-    """Every update flushes the engine's prefix cache (KV computed under the old weights) itself, and fails if requests
-    still run. Not SGLang's separate /flush_cache: that also empties the device allocator's cache, which on CPU is a full
-    gc.collect() in the scheduler (~0.34 s per sync on the quickstart, most of the sync); here only GPUs empty it."""
+    """Every update flushes the engine's prefix cache (KV computed under the old weights) itself, and fails if
+    requests still run. Not SGLang's separate /flush_cache: that also empties the device allocator's cache, which on
+    CPU is a full gc.collect() in the scheduler (~0.34 s per sync on the quickstart, most of the sync); here only GPUs
+    empty it."""
     return {"flush_cache": True, "torch_empty_cache": platform.on_gpu()}
 
 

@@ -18,6 +18,12 @@ from .router import EngineRouter
 from .server import ServerConfig, SGLangServer, engine_server_config
 
 
+def model_pools(cfg) -> list:
+    """(name, PoolConfig) of every other model the run serves: the OPD teacher (when enabled), then pools: in config
+    order. Those with `model` are started by rank 0 in this order."""
+    return ([("teacher", cfg.teacher)] if cfg.teacher.enabled else []) + list(cfg.pools.items())
+
+
 def first_gpus(cfg, policy_gpus: int | None = None) -> dict[str, int]:
     """The first GPU of each started pool's servers on rank 0's node: after the policy engines' (`policy_gpus`, default
     rollout.engine.num_engines x tp_size when rank 0 starts them, 0 with rollout.engine.urls), the teacher, then the
@@ -26,9 +32,7 @@ def first_gpus(cfg, policy_gpus: int | None = None) -> dict[str, int]:
     if policy_gpus is None:
         policy_gpus = 0 if e.urls else e.num_engines * e.tp_size
     offset, out = policy_gpus, {}
-    started = ([("teacher", cfg.teacher)] if cfg.teacher.model else []) + \
-        [(name, pool) for name, pool in cfg.pools.items() if pool.model]
-    for name, pool in started:
+    for name, pool in ((name, pool) for name, pool in model_pools(cfg) if pool.model):
         out[name] = offset
         offset += pool.num_engines * pool.tp_size
     return out

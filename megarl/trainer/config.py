@@ -538,12 +538,7 @@ class TrainConfig:
                 if sv.alpha < 0 or sv.beta < 0 or sv.alpha + sv.beta <= 0:
                     raise ConfigError(f"reward.judge.self_verification: alpha={sv.alpha} and beta={sv.beta} must be "
                                       ">= 0 and not both 0. Fix: e.g. the paper's alpha=0.76, beta=0.24")
-                from ..rewards.judge import make_parser
-
-                try:
-                    make_parser(sv.pattern)
-                except ValueError as e:
-                    raise ConfigError(f"reward.judge.self_verification.pattern: {e}") from None
+                _check_score_parser("reward.judge.self_verification", sv.pattern)
 
     def _validate_placement(self) -> None:
         engine = self.rollout.engine
@@ -603,12 +598,17 @@ def _validate_judge_stage(name: str, stage: JudgeStage, pools: dict, meta: bool)
     if missing:
         raise ConfigError(f"{name}.template has no {' or '.join(missing)} placeholder: the judge would not see what "
                           f"it judges. Fix: put {' and '.join(missing)} into the template (or unset it: the default)")
+    _check_score_parser(name, stage.pattern, stage.parser)
+
+
+def _check_score_parser(name: str, pattern: Optional[str], parser: Optional[str] = None) -> None:
+    """{name}.pattern compiles and {name}.parser imports (megarl.rewards.judge.make_parser), or one line naming it."""
     from ..rewards.judge import make_parser
 
     try:
-        make_parser(stage.pattern, stage.parser)
+        make_parser(pattern, parser)
     except ValueError as e:
-        raise ConfigError(f"{name}.{'parser' if stage.parser else 'pattern'}: {e}") from None
+        raise ConfigError(f"{name}.{'parser' if parser else 'pattern'}: {e}") from None
 
 
 def _choice(name: str, value, choices) -> None:
