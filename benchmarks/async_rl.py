@@ -57,19 +57,19 @@ def _place(root_pid: int, engine_cpus: set[int], trainer_cpus: set[int], done: t
         done.wait(0.5)
 
 
-def run_name(k: int, partial: bool, mismatch: str | None = None) -> str:
-    return (f"k{k}" if partial or not k else f"k{k}-fixed") + (f"-{mismatch}" if mismatch and k else "")
+def run_name(k: int, partial: bool, mismatch: str = "none") -> str:
+    return (f"k{k}" if partial or not k else f"k{k}-fixed") + (f"-{mismatch}" if mismatch != "none" and k else "")
 
 
 def run_one(k: int, partial: bool, seed: int, steps: int, work: str, ckpt: str,
-            cpus: tuple[set[int], set[int]], mismatch: str | None = None) -> dict:
+            cpus: tuple[set[int], set[int]], mismatch: str = "none") -> dict:
     seed_dir = os.path.join(work, f"seed{seed}")
     run_dir = os.path.join(seed_dir, run_name(k, partial, mismatch))
     subprocess.run(["rm", "-rf", run_dir], check=True)
     overrides = [f"run_dir={run_dir}", f"seed={seed}", "model.tiny=null", f"model.path={seed_dir}/base-model",
                  f"model.load={ckpt}", "sft.steps=0", f"rl.steps={steps}", f"rl.max_staleness={k}",
                  f"rl.partial_rollouts={str(partial).lower()}", "checkpoint.export_hf=false", "logging.wandb=disabled",
-                 "logging.progress=false"] + ([f"algorithm.mismatch.mode={mismatch}"] if mismatch else [])
+                 "logging.progress=false", f"algorithm.mismatch.mode={mismatch}"]
     from megarl.parallel.env import free_port
 
     cmd = [sys.executable, "-m", "megarl.launch.torchrun", "--nproc_per_node", "1", "--master_port", str(free_port()),
@@ -156,11 +156,12 @@ def table(results: dict) -> str:
     sync = {r["seed"]: r for r in runs if r["max_staleness"] == 0}
     lines = ["| k | partial | mismatch | seed | steps | RL wall s | vs k=0 | step s | engine busy | trainer busy | "
              "pass@1 before -> after |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(runs, key=lambda r: (r["seed"], r["max_staleness"], r["partial"], r.get("mismatch") or "")):
+    for r in sorted(runs, key=lambda r: (r["seed"], r["max_staleness"], r["partial"], r["mismatch"])):
         base = sync.get(r["seed"])
         ratio = f"{r['rl_wall_s'] / base['rl_wall_s']:.2f}x" if base else "-"
         partial = "yes" if r["partial"] else "no" if r["max_staleness"] else "-"
-        lines.append(f"| {r['max_staleness']} | {partial} | {r.get('mismatch') or '-'} | {r['seed']} | {r['steps']} | "
+        mismatch = r["mismatch"] if r["max_staleness"] else "-"
+        lines.append(f"| {r['max_staleness']} | {partial} | {mismatch} | {r['seed']} | {r['steps']} | "
                      f"{r['rl_wall_s']:.0f} | {ratio} | {r['step_s_mean']:.2f} | {r['rollout_busy_frac']:.0%} | "
                      f"{r['train_busy_frac']:.0%} | {r['pass_at_1_before']:.1f} -> {r['pass_at_1_after']:.1f} |")
     return "\n".join(lines)
@@ -171,8 +172,8 @@ def main(argv=None) -> int:
     p.add_argument("--staleness", default="0,1,2", help="comma-separated rl.max_staleness values (default 0,1,2), "
                    "with partial rollouts; K-fixed: k = K on the fixed schedule (no partial rollouts), e.g. 1-fixed")
     p.add_argument("--seeds", default="0")
-    p.add_argument("--mismatch", default=None, help="algorithm.mismatch.mode of the k >= 1 runs (e.g. tis: the "
-                   "decoupled PPO objective; default: the config's, none)")
+    p.add_argument("--mismatch", default="tis", help="algorithm.mismatch.mode of the k >= 1 runs (default tis: "
+                   "the decoupled PPO objective, the trainer's default for k >= 1; none: no correction)")
     p.add_argument("--steps", type=int, default=40, help="RL steps per run (default 40)")
     p.add_argument("--sft-steps", type=int, default=400, help="SFT steps per seed (default: the quickstart's 400)")
     p.add_argument("--engine-cpus", default="1", help="cores of the SGLang engine (default 1)")
@@ -193,9 +194,9 @@ def main(argv=None) -> int:
             ckpt = ensure_sft(args.work, seed, {"sft_steps": args.sft_steps, "set": []})
             for spec in args.staleness.split(","):
                 k, partial = int(spec.removesuffix("-fixed")), not spec.endswith("-fixed")
-                mismatch = args.mismatch if k else None  # the synchronous run has no stale tokens to correct
+                mismatch = args.mismatch if k else "none"  # the synchronous run has no stale tokens to correct
                 if any(r["seed"] == seed and r["max_staleness"] == k and r["partial"] == (partial and k > 0)
-                       and r.get("mismatch") == mismatch for r in results["runs"]):
+                       and r["mismatch"] == mismatch for r in results["runs"]):
                     continue
                 results["runs"].append(run_one(k, partial, seed, args.steps, args.work, ckpt, cpus, mismatch))
                 os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -206,7 +207,7 @@ def main(argv=None) -> int:
     seed = min(r["seed"] for r in results["runs"]) if results["runs"] else None
     dirs = {r["max_staleness"]: os.path.join(args.work, f"seed{seed}", f"k{r['max_staleness']}")
             for r in results["runs"] if r["seed"] == seed and r["max_staleness"] <= 1 and
-            (r["partial"] or not r["max_staleness"]) and not r.get("mismatch")}
+            (r["partial"] or not r["max_staleness"]) and r["mismatch"] == "none"}
     if dirs and all(os.path.isfile(os.path.join(d, "metrics.jsonl")) for d in dirs.values()):
         print("timeline:", timeline(dirs, os.path.splitext(args.out)[0] + "_timeline.png",
                                     first=min(10, args.steps // 2)))

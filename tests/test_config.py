@@ -69,3 +69,19 @@ def test_yaml_float_strings_and_missing_file(tmp_path):
         load_config(TrainConfig, str(tmp_path / "nope.yaml"))
     with pytest.raises(ConfigError, match="must look like section.key=value"):
         load_config(TrainConfig, None, ["rl.steps"])
+
+
+def test_asynchronous_steps_get_the_decoupled_objective_unless_a_correction_is_chosen():
+    """algorithm.mismatch.mode unset: tis (PPO's decoupled objective) with rl.max_staleness >= 1, none with
+    synchronous steps; a chosen mode, "none" included, is kept."""
+    def mode(*overrides):
+        return load_train_config(None, ["model.path=x", *overrides]).algorithm.mismatch.mode
+
+    assert mode() == "none" and mode("rl.max_staleness=0") == "none"
+    assert mode("rl.max_staleness=1") == "tis" and mode("rl.max_staleness=2") == "tis"
+    assert mode("rl.max_staleness=1", "algorithm.mismatch.mode=none") == "none"
+    assert mode("rl.max_staleness=1", "algorithm.mismatch.mode=icepop") == "icepop"
+    assert mode("algorithm.mismatch.mode=seq_tis") == "seq_tis"
+    with pytest.raises(ConfigError, match="rollout.old_log_probs=rollout"):
+        load_train_config(None, ["model.path=x", "rollout.old_log_probs=rollout", "rl.mini_batches=2",
+                                 "algorithm.mismatch.mode=none"])

@@ -18,7 +18,9 @@ class AlgorithmConfigError(UserError, ValueError):
 
 @dataclass
 class MismatchConfig:
-    mode: Optional[str] = None  # None | tis | seq_tis | mis | icepop
+    # none | tis | seq_tis | mis | icepop; unset: tis with rl.max_staleness >= 1 (the decoupled PPO objective),
+    # none otherwise (megarl.trainer.config resolves it)
+    mode: Optional[str] = None
     cap: float = 2.0  # tis / seq_tis truncation
     low: float = 0.5  # mis / icepop: keep ratios within [low, high]
     high: float = 2.0

@@ -5,12 +5,13 @@ MoE routing). These give a detached per-token weight (and keep-mask) that multip
   seq_tis       sequence-level truncated IS: w = min(prod_t ratio_t, cap), the same for all tokens of a sequence
   mis           masked IS: sequences whose IS ratio (geometric mean per token) leaves [low, high] are dropped
   icepop        token masking: tokens whose ratio leaves [low, high] are dropped
+  none          no correction (explicit; unset = none for synchronous steps, tis with rl.max_staleness >= 1)
 """
 from __future__ import annotations
 
 import torch
 
-MISMATCH_MODES = (None, "tis", "seq_tis", "mis", "icepop")
+MISMATCH_MODES = (None, "none", "tis", "seq_tis", "mis", "icepop")
 
 
 def mismatch_weights(old_log_prob, rollout_log_prob, mask, mode, seq_sum, cap=2.0, low=0.5, high=2.0):
@@ -19,7 +20,7 @@ def mismatch_weights(old_log_prob, rollout_log_prob, mask, mode, seq_sum, cap=2.
     with torch.no_grad():
         log_ratio = (old_log_prob - rollout_log_prob) * mask
         ones = torch.ones_like(mask, dtype=torch.float32)
-        if mode is None:
+        if mode in (None, "none"):
             return ones, mask
         if mode == "tis":
             return torch.exp(log_ratio).clamp(max=cap), mask

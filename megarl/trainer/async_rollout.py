@@ -20,8 +20,9 @@ dropped for staleness (the per-token versions in the rollout dumps and `async/ma
 The off-policy objective is PPO's decoupled form (Hilton et al. 2021, "Batch size-invariance for policy
 optimization"; AReaL): with rollout.old_log_probs = recompute the proximal policy is the current weights before the
 update (the old log-probs), the behaviour policy is the engine's per-token log-probs, and algorithm.mismatch.mode =
-tis multiplies each token's clipped surrogate by the truncated importance weight min(pi_prox / pi_behav, cap)
-(megarl.algorithms.mismatch); seq_tis / mis / icepop are the other corrections.
+tis (the default with max_staleness >= 1) multiplies each token's clipped surrogate by the truncated importance weight
+min(pi_prox / pi_behav, cap) (megarl.algorithms.mismatch); seq_tis / mis / icepop are the other corrections, none
+turns it off.
 
 Resume: a checkpoint first lets the producer finish the step it is generating (drain), then stores the finished,
 untrained rollouts of every worker with it and the prompt cursor after them; a resumed run trains those first and

@@ -387,6 +387,10 @@ class TrainConfig:
         if not isinstance(self.rl.max_staleness, int) or self.rl.max_staleness < 0:
             raise ConfigError(f"rl.max_staleness must be an integer >= 0 (0: synchronous steps), "
                               f"got {self.rl.max_staleness!r}")
+        if self.algorithm.mismatch.mode is None:
+            # stale tokens trained as if on-policy learn worse (benchmarks/async_rl.py: 4-21 points of pass@1 behind
+            # the synchronous run): asynchronous steps get PPO's decoupled objective unless a mode is chosen
+            self.algorithm.mismatch.mode = "tis" if self.rl.max_staleness else "none"
         from ..algorithms.advantages import NEEDS_GROUPS
 
         if self.algorithm.advantage_estimator in NEEDS_GROUPS and self.rollout.n_samples < 2:
@@ -398,7 +402,7 @@ class TrainConfig:
             raise ConfigError(f"rollout.prompts_per_step={self.rollout.prompts_per_step} must be divisible by "
                               f"rl.mini_batches={self.rl.mini_batches} (each mini-batch takes whole groups)")
         if self.rollout.old_log_probs == "rollout" and self.rl.ppo_epochs * self.rl.mini_batches > 1 \
-                and not self.algorithm.mismatch.mode:
+                and self.algorithm.mismatch.mode == "none":
             raise ConfigError("rollout.old_log_probs=rollout with several updates per batch uses the engine's "
                               "log-probs as the PPO anchor; set algorithm.mismatch.mode (e.g. tis) or use recompute")
         if self.rl.forgetting_kl and self.rl.ref_model is False:
