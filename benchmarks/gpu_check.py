@@ -1,4 +1,4 @@
-"""The prepared GPU check: one script, one H200, under 8 minutes -> benchmarks/results/gpu_check.json.
+"""The prepared GPU check: one script, one H200, under 9 minutes -> benchmarks/results/gpu_check.json.
 
     bash launchers/install.sh && .venv/bin/python benchmarks/gpu_check.py          # on a machine with a GPU
     .venv/bin/python benchmarks/gpu_check.py --plan                                # anywhere: configs + checks only
@@ -17,6 +17,11 @@ stop the others):
 5. `packing`: packed sequences (algorithm.pack_sequences) on the TransformerEngine path, i.e. megatron-core's THD
    PackedSeqParams, against the padded forward of the same long-tailed RL batch (`benchmarks/packing.py`, a 4-layer
    model and the Qwen2.5-0.5B shape, bf16): log-prob and gradient differences, tokens computed, time both ways.
+6. `deepseek_v3`: a tiny DeepSeek-V3 (MLA with YaRN, shared experts, sigmoid router with bias, group-limited
+   routing) through 2 GRPO steps with routing replay (R3), the engine colocated: weight sync verified by checksums +
+   probe log-probs every step, trainer-vs-engine log-prob mismatch and routing agreement. SGLang's CPU engine serves
+   this model but its forward differs from transformers (README, Supported models), so only a GPU shows the engine
+   path.
 """
 from __future__ import annotations
 
@@ -54,15 +59,17 @@ def train_mfu(tokens: float, train_s: float, n_params: int, peak_flops: float = 
     return 6.0 * n_params * tokens / max(train_s, 1e-9) / peak_flops
 
 
-def rl_config(run_dir: str, transport: str, steps: int) -> dict:
+def rl_config(run_dir: str, transport: str, steps: int, family: str = "qwen2") -> dict:
+    """The RL run of a step: the Qwen2.5-0.5B shape, or (family deepseek_v3) the tiny DeepSeek-V3 with R3."""
+    moe = family != "qwen2"
     return {
         "run_dir": run_dir, "seed": 0,
-        "model": {"tiny": {"family": "qwen2", "tokenizer": "char", "overrides": MODEL}},
+        "model": {"tiny": {"family": family, "tokenizer": "char", "overrides": {} if moe else MODEL}},
         "data": {"train": "synthetic", "synthetic": {"digits": 2, "num_train": 2000, "num_eval": 32},
                  "max_prompt_tokens": 128},
         "sft": {"steps": 0},
         "rollout": {"prompts_per_step": 64, "n_samples": 8, "max_new_tokens": 64, "request_size": 64,
-                    "engine": {"mem_fraction_static": 0.4, "max_total_tokens": None}},
+                    "routing_replay": moe, "engine": {"mem_fraction_static": 0.4, "max_total_tokens": None}},
         "reward": {"name": "exact_match", "workers": 4},
         "optim": {"lr": 1e-6},
         "rl": {"steps": steps, "eval_samples": 1, "max_tokens_per_microbatch": 16384},
@@ -86,11 +93,13 @@ def plan(work: str) -> dict:
     from megarl.trainer.config import load_train_config
 
     checked = {}
-    for transport, steps in (("tensor", 3), ("distributed", 2)):
-        path = _write_yaml(os.path.join(work, f"rl_{transport}.yaml"),
-                           rl_config(os.path.join(work, f"rl_{transport}"), transport, steps))
+    for transport, steps, family in (("tensor", 3, "qwen2"), ("distributed", 2, "qwen2"),
+                                     ("tensor", 2, "deepseek_v3")):
+        name = transport if family == "qwen2" else family
+        path = _write_yaml(os.path.join(work, f"rl_{name}.yaml"),
+                           rl_config(os.path.join(work, f"rl_{name}"), transport, steps, family))
         cfg = load_train_config(path)
-        checked[transport] = preflight(cfg, "train", world_size=1)
+        checked[name] = preflight(cfg, "train", world_size=1)
     return {"configs": checked, "params": params_of(MODEL)}
 
 
@@ -147,10 +156,11 @@ def step_memory(work: str) -> dict:
             "ok": released < started - 0.5 * (started - idle) and len(out[0].output_ids) == 4}
 
 
-def step_rl(work: str, transport: str, steps: int) -> dict:
-    run_dir = os.path.join(work, f"rl_{transport}")
+def step_rl(work: str, transport: str, steps: int, family: str = "qwen2") -> dict:
+    name = f"rl_{transport}" + ("" if family == "qwen2" else f"_{family}")
+    run_dir = os.path.join(work, name)
     shutil.rmtree(run_dir, ignore_errors=True)
-    path = _write_yaml(os.path.join(work, f"rl_{transport}.yaml"), rl_config(run_dir, transport, steps))
+    path = _write_yaml(os.path.join(work, f"{name}.yaml"), rl_config(run_dir, transport, steps, family))
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "megarl.launch.torchrun", "--nproc_per_node", "1", "-m",
                            "megarl.cli", "train", path], cwd=ROOT, capture_output=True, text=True, timeout=420)
@@ -171,6 +181,7 @@ def step_rl(work: str, transport: str, steps: int) -> dict:
             "train_mfu": round(train_mfu(tokens, last.get("time/train_s", 0.0), n), 4),
             "mismatch_logprob_abs_diff": last.get("mismatch/logprob_abs_diff"),
             "probe_max_abs_diff": last.get("reshard/probe_max_abs_diff"),
+            "routing_agreement": last.get("moe/routing_agreement"),
             "ok": len(steps_rows) == steps}
 
 
@@ -213,7 +224,8 @@ def main(argv=None) -> int:
     for name, fn in (("logits", lambda: step_logits(args.work)), ("memory", lambda: step_memory(args.work)),
                      ("packing", lambda: step_packing(args.work)),
                      ("rl_tensor", lambda: step_rl(args.work, "tensor", 3)),
-                     ("rl_distributed", lambda: step_rl(args.work, "distributed", 2))):
+                     ("rl_distributed", lambda: step_rl(args.work, "distributed", 2)),
+                     ("deepseek_v3", lambda: step_rl(args.work, "tensor", 2, "deepseek_v3"))):
         t = time.perf_counter()
         try:
             result["steps"][name] = fn()

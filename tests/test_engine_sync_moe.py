@@ -85,7 +85,7 @@ class _ChecksumEngine:
         return {"tp_size": 1, "ep_size": 1, "device": "cpu"}
 
 
-def _verify_mixtral(path, layout, checksums):
+def _verify_against(path, layout, checksums):
     ps, bridge, chunks = ranks.build(path, **layout)
     return verify_checksums(bridge, chunks, _ChecksumEngine(checksums), torch.float32)
 
@@ -95,14 +95,62 @@ def test_mixtral_experts_are_checked_in_sglang_fused_layout():
     expected = _sglang_mixtral_checksums(path)
     assert sum(n.endswith(("w13_weight", "w2_weight")) for n in expected) == 8  # 4 layers x (w13, w2)
     # EP 2: each layer's experts 0-1 and 2-3 live on different ranks and are hashed as one fused tensor
-    assert run_ranks(2, _verify_mixtral, path, {"ep": 2}, expected) == [len(expected)] * 2
+    assert run_ranks(2, _verify_against, path, {"ep": 2}, expected) == [len(expected)] * 2
     name = "model.layers.1.block_sparse_moe.experts.w13_weight"
     bad = dict(expected, **{name: "0" * 16})
     with pytest.raises(RankFailure) as failure:
-        run_ranks(2, _verify_mixtral, path, {"ep": 2}, bad)
+        run_ranks(2, _verify_against, path, {"ep": 2}, bad)
     assert WeightMismatchError.__name__ in str(failure.value) and f"engine tensor {name} differs" in str(failure.value)
     assert "model.layers.1.block_sparse_moe.experts.{0..3}.w1.weight, " \
            "model.layers.1.block_sparse_moe.experts.{0..3}.w3.weight" in str(failure.value)
+
+
+def _sglang_deepseek_v3_checksums(path: str) -> dict[str, str]:
+    """What SGLang 0.5.23's CPU engine (TP 1, fp32) reports for a DeepSeek-V3 folder, rebuilt from the safetensors:
+    q_a_proj and kv_a_proj_with_mqa fused into fused_qkv_a_proj_with_mqa (models/deepseek_v2.py, q_lora_rank set), the
+    dense MLPs' and shared experts' gate/up into gate_up_proj, each MoE layer's routed experts into w13_weight / w2_weight,
+    the router's weight and e_score_correction_bias as they are."""
+    from safetensors.torch import load_file
+
+    hf = load_file(f"{path}/model.safetensors")
+    engine, fused = {}, {"self_attn.q_a_proj.weight": ("self_attn.fused_qkv_a_proj_with_mqa.weight",
+                                                       "self_attn.kv_a_proj_with_mqa.weight"),
+                         "gate_proj.weight": ("gate_up_proj.weight", "up_proj.weight")}
+    for name, tensor in hf.items():
+        if ".mlp.experts." in name or name.endswith(("kv_a_proj_with_mqa.weight", "up_proj.weight")):
+            continue
+        first = next((f for f in fused if name.endswith(f)), None)
+        if first:
+            base, (engine_suffix, second) = name[: -len(first)], fused[first]
+            name, tensor = base + engine_suffix, torch.cat([tensor, hf[base + second]])
+        engine[name] = tensor
+    for layer in sorted({int(n.split(".")[2]) for n in hf if ".mlp.experts." in n}):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        count = len({n for n in hf if n.startswith(prefix) and n.endswith(".gate_proj.weight")})
+        engine[prefix + "w13_weight"] = torch.stack([torch.cat([hf[f"{prefix}{e}.gate_proj.weight"],
+                                                                hf[f"{prefix}{e}.up_proj.weight"]]) for e in range(count)])
+        engine[prefix + "w2_weight"] = torch.stack([hf[f"{prefix}{e}.down_proj.weight"] for e in range(count)])
+    return {n: hashlib.sha256(t.float().contiguous().numpy().tobytes()).digest()[:8].hex() for n, t in engine.items()}
+
+
+def test_deepseek_v3_is_checked_in_sglang_layout():
+    """DeepSeek-V3 (MLA) weight-sync checksums at EP 2 against SGLang's layout rebuilt by hand. Checked once against
+    real SGLang 0.5.23 CPU engines serving the tiny model (2026-12-04): at engine TP 1 an EP 2 sync verified every
+    engine tensor, and at engine TP 2 all 98 non-expert (rank, tensor) checksums of the unmodified model matched
+    (q_b_proj / kv_b_proj split by rows, o_proj by columns, the fused down-projections replicated). That engine's
+    forward does not match transformers on CPU (README, Supported models), so no engine runs here."""
+    path = tiny_model_dir("deepseek_v3")
+    expected = _sglang_deepseek_v3_checksums(path)
+    assert "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight" in expected
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in expected
+    assert sum(n.endswith(("w13_weight", "w2_weight")) for n in expected) == 6  # 3 MoE layers x (w13, w2)
+    assert run_ranks(2, _verify_against, path, {"ep": 2}, expected) == [len(expected)] * 2
+    name = "model.layers.2.self_attn.fused_qkv_a_proj_with_mqa.weight"
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(2, _verify_against, path, {"ep": 2}, dict(expected, **{name: "0" * 16}))
+    assert f"engine tensor {name} differs" in str(failure.value)
+    assert "model.layers.2.self_attn.q_a_proj.weight, model.layers.2.self_attn.kv_a_proj_with_mqa.weight" in \
+        str(failure.value)
 
 
 def _corrupt_one_expert(transport):

@@ -30,7 +30,8 @@ def test_parameter_count_matches_transformers():
 def test_plan_checks_the_configs_and_no_gpu_exits_2(tmp_path):
     gpu_check = _gpu_check()
     result = gpu_check.plan(str(tmp_path))
-    assert set(result["configs"]) == {"tensor", "distributed"}
+    assert set(result["configs"]) == {"tensor", "distributed", "deepseek_v3"}
+    assert any("model.tiny (deepseek_v3)" in c for c in result["configs"]["deepseek_v3"])
     assert all(any("data.train" in c for c in checks) for checks in result["configs"].values())
     if not torch.cuda.is_available():
         assert gpu_check.main(["--work", str(tmp_path), "--out", str(tmp_path / "x.json")]) == 2

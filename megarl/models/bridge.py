@@ -75,11 +75,20 @@ _FAMILY_CONFIG = {
 }
 
 
-def _mla_config(**fields):
-    """MLATransformerConfig from mbridge 0.15.1's fields: it passes max_position_embeddings, which megatron-core 0.19
-    names original_max_position_embeddings (YaRN's original context length)."""
+def _mla_config(bridge, **fields):
+    """MLATransformerConfig from mbridge 0.15.1's fields (a method of the bridge, which calls
+    self.TransformerConfigClass(**fields)). mbridge passes max_position_embeddings, which megatron-core 0.19 names
+    original_max_position_embeddings (YaRN's original context length). It reads RoPE scaling from
+    rope_scaling["type"], which transformers 5 calls rope_parameters["rope_type"]: without this a YaRN model (every
+    DeepSeek-V3 checkpoint) would be built with plain RoPE, silently."""
     from megatron.core.transformer import MLATransformerConfig
 
+    rope = dict(getattr(bridge.hf_config, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") == "yarn":
+        fields.update(rope_type="yarn", rotary_scaling_factor=rope["factor"], beta_fast=rope.get("beta_fast", 32),
+                      beta_slow=rope.get("beta_slow", 1), mscale=rope.get("mscale", 1.0),
+                      mscale_all_dim=rope.get("mscale_all_dim", 0.0),
+                      max_position_embeddings=rope["original_max_position_embeddings"])
     fields["original_max_position_embeddings"] = fields.pop("max_position_embeddings")
     return MLATransformerConfig(**fields)
 
@@ -90,7 +99,7 @@ def _mbridge_class(model_type: str):
 
     cls = _MODEL_REGISTRY[model_type]
     if model_type == "deepseek_v3":
-        return type(cls.__name__, (cls,), {"TransformerConfigClass": staticmethod(_mla_config)})
+        return type(cls.__name__, (cls,), {"TransformerConfigClass": _mla_config})
     return cls
 
 

@@ -25,6 +25,9 @@ SUPPORTED_ARCHITECTURES = {
 # Families whose router scores experts with a sigmoid plus the e_score_correction_bias and picks the top-k within the
 # best topk_group of n_group expert groups (DeepSeek-V3's router, which GLM-4.5 reuses).
 SIGMOID_GROUP_ROUTED = ("deepseek_v3", "glm4_moe")
+# RoPE scaling the bridge builds: DeepSeek-V3's YaRN goes to megatron-core's multi-latent attention (mbridge passes
+# factor, original_max_position_embeddings, beta_fast/slow, mscale and mscale_all_dim as rope_type yarn)
+_ROPE_SCALING = {("deepseek_v3", "yarn")}
 # The config.json field that holds the number of routed experts: Qwen-MoE, Mixtral, DeepSeek name it differently.
 _EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 _REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
@@ -227,9 +230,9 @@ def open_model_folder(path: str) -> HFModelFolder:
             raise ModelFolderError(f"{config_path}: field {key} must be a positive integer, got {raw[key]!r}")
     rope_type = ((raw.get("rope_parameters") or raw.get("rope_scaling") or {}).get("rope_type")
                  or (raw.get("rope_scaling") or {}).get("type") or "default")
-    if rope_type != "default":
-        raise ModelFolderError(f"{config_path}: rope type {rope_type!r} is not supported yet (only 'default'). "
-                               "Fix: use a model without RoPE scaling.")
+    if rope_type != "default" and (model_type, rope_type) not in _ROPE_SCALING:
+        raise ModelFolderError(f"{config_path}: rope type {rope_type!r} is not supported yet for {model_type} (only "
+                               "'default'; DeepSeek-V3's 'yarn'). Fix: use a model without RoPE scaling.")
 
     fp8_block = _fp8_block(raw, config_path)
 

@@ -31,12 +31,17 @@ _FAMILY = {
     # DeepSeek-V3: MLA (q/kv LoRA ranks, rope/nope head split, interleaved RoPE), a dense first layer then MoE layers
     # with a shared expert, sigmoid router scores with the e_score_correction_bias, group-limited top-k (4 of 8
     # experts, taken from the best 2 of 4 groups, a group scored by its best 2 experts: V3 takes 8 of 256 from the best
-    # 4 of 8 groups), norm_topk_prob and the routed scaling factor. No MTP layer (transformers does not build one).
+    # 4 of 8 groups), norm_topk_prob and the routed scaling factor, YaRN RoPE as V3 ships it (V3: factor 40 over 4096
+    # positions; SGLang's CPU engine serves MLA only with it). No MTP layer (transformers does not build one).
     "deepseek_v3": dict(tie_word_embeddings=False, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=4,
                         n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
                         q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                         routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0,
-                        rope_interleave=True),
+                        rope_interleave=True, rope_parameters=dict(
+                            rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32,
+                            beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+                        # fields of DeepSeek-V3's config.json that transformers ignores and SGLang reads
+                        topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1, ep_size=1),
     # GLM-4.5 / 4.6 / 4.5-Air: GQA with q/k/v biases (attention_bias), QK-norm (GLM-4.5's use_qk_norm; 4.5-Air has
     # none), head_dim != hidden/heads and RoPE on the first half of each head (partial_rotary_factor 0.5, not
     # interleaved), a dense first layer then MoE layers with shared experts (two here, so a shared-expert width that

@@ -43,6 +43,10 @@ _FUSED = {  # engine name suffix -> HF name suffixes concatenated along dim 0
     # DeepSeek-V3 / GLM-4.5 shared experts (SGLang's models/glm4_moe.py: shared_experts = an MLP with gate_up_proj)
     "mlp.shared_experts.gate_up_proj.weight": ("mlp.shared_experts.gate_proj.weight",
                                                "mlp.shared_experts.up_proj.weight"),
+    # DeepSeek-V3's multi-latent attention: the query and key/value down-projections read the same input, and SGLang
+    # (models/deepseek_v2.py, DeepseekV2AttentionMLA with q_lora_rank) holds them as one replicated matrix
+    "self_attn.fused_qkv_a_proj_with_mqa.weight": ("self_attn.q_a_proj.weight",
+                                                   "self_attn.kv_a_proj_with_mqa.weight"),
 }
 # The routed experts' HF names, per family: the module holding them -> {HF projection name: its role}. Every family's
 # engine fuses the gate and up projections of a layer's experts into w13_weight and the down projections into
@@ -87,6 +91,8 @@ class EngineShapes:
     moe_intermediate: int | None
     shared_expert_intermediate: int | None
     vocab: int  # rows of embed_tokens / lm_head after padding
+    q_b: int | None = None  # multi-latent attention: rows of q_b_proj (heads x (qk_nope + qk_rope head dims))
+    kv_b: int | None = None  # and of kv_b_proj (heads x (qk_nope + v head dims)); o_proj reads heads x v_head_dim
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -114,6 +120,11 @@ def engine_shapes(hf_config, tp: int, cpu: bool) -> EngineShapes:
             heads, kv = _round_up(kv, tp) * (heads // kv), _round_up(kv, tp)
         sizes = {name: (_round_up(v, 32 * tp) if v and v % (32 * tp) else v) for name, v in sizes.items()}
     padding = 64 if _round_up(hf_config.vocab_size, 64) % tp == 0 else 64 * tp
+    mla = {}
+    if get("kv_lora_rank"):  # DeepSeek-V3's multi-latent attention: q_b_proj / kv_b_proj rows and o_proj columns
+        head_dim = hf_config.v_head_dim
+        mla = dict(q_b=heads * (hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim),
+                   kv_b=heads * (hf_config.qk_nope_head_dim + hf_config.v_head_dim))
     return EngineShapes(tp=tp, head_dim=head_dim, heads=heads, kv_heads=kv, intermediate=sizes["intermediate_size"],
                         # Mixtral has no moe_intermediate_size: its experts are intermediate_size wide
                         moe_intermediate=sizes["moe_intermediate_size"] or sizes["intermediate_size"],
@@ -121,7 +132,7 @@ def engine_shapes(hf_config, tp: int, cpu: bool) -> EngineShapes:
                         shared_expert_intermediate=sizes["shared_expert_intermediate_size"] or
                         (sizes["moe_intermediate_size"] * get("n_shared_experts")
                          if sizes["moe_intermediate_size"] and get("n_shared_experts") else None),
-                        vocab=_round_up(hf_config.vocab_size, padding))
+                        vocab=_round_up(hf_config.vocab_size, padding), **mla)
 
 
 def shard_rule(hf_name: str, shapes: EngineShapes) -> tuple[int, int] | None:
@@ -135,7 +146,8 @@ def shard_rule(hf_name: str, shapes: EngineShapes) -> tuple[int, int] | None:
              "k_proj.weight": (0, s.kv_heads * s.head_dim), "k_proj.bias": (0, s.kv_heads * s.head_dim),
              "v_proj.weight": (0, s.kv_heads * s.head_dim), "v_proj.bias": (0, s.kv_heads * s.head_dim),
              "o_proj.weight": (1, s.heads * s.head_dim), "gate_proj.weight": (0, intermediate),
-             "up_proj.weight": (0, intermediate), "down_proj.weight": (1, intermediate)}
+             "up_proj.weight": (0, intermediate), "down_proj.weight": (1, intermediate),
+             "q_b_proj.weight": (0, s.q_b), "kv_b_proj.weight": (0, s.kv_b)}
     suffix = next((k for k in rules if hf_name.endswith("." + k) or hf_name == k), None)
     return rules[suffix] if suffix else None
 
