@@ -153,3 +153,39 @@ def test_engine_layout_fuses_the_shared_experts():
     assert torch.equal(tensor, torch.cat([hf[s] for s in sources]))
     assert not [n for n in engine if ".shared_experts.gate_proj" in n or ".shared_experts.up_proj" in n]
     assert torch.equal(engine[prefix + "down_proj.weight"][0], hf[prefix + "down_proj.weight"])
+
+
+def test_bf16_engines_hold_the_router_in_fp32_and_the_sync_sends_it_so():
+    """SGLang keeps GLM-4.5's router (Glm4MoeGate: weight and e_score_correction_bias) and DeepSeek-V3's expert bias in
+    float32 whatever the engine's dtype: the weight sync sends them in float32 (a bf16 copy would collapse a bias spread
+    over a few bf16 ULPs) and the checksums hash them so. Found with a bf16 engine serving this tiny model: every other
+    tensor's checksum matched, the two router tensors of each MoE layer did not."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from megarl.reshard.buckets import BucketPacker
+    from megarl.reshard.verify import engine_dtypes, engine_layout, engine_shapes
+
+    glm = engine_dtypes(AutoConfig.from_pretrained(_path("glm45")), torch.bfloat16)
+    assert glm("model.layers.1.mlp.gate.weight") == glm("model.layers.1.mlp.gate.e_score_correction_bias") == \
+        torch.float32
+    assert glm("model.layers.1.mlp.gate_proj.weight") == glm("model.layers.1.mlp.experts.0.gate_proj.weight") == \
+        glm("model.layers.1.mlp.shared_experts.gate_proj.weight") == torch.bfloat16
+    deepseek = AutoConfig.from_pretrained(tiny_model_dir("deepseek_v3"))
+    assert engine_dtypes(deepseek, torch.bfloat16)("model.layers.1.mlp.gate.weight") == torch.bfloat16
+    assert engine_dtypes(deepseek, torch.bfloat16)("model.layers.1.mlp.gate.e_score_correction_bias") == torch.float32
+    deepseek.router_fp32 = True
+    assert engine_dtypes(deepseek, torch.bfloat16)("model.layers.1.mlp.gate.weight") == torch.float32
+    qwen = AutoConfig.from_pretrained(tiny_model_dir("qwen3_moe"))
+    assert engine_dtypes(qwen, torch.bfloat16)("model.layers.1.mlp.gate.weight") == torch.bfloat16
+
+    hf = load_file(f"{_path('glm45')}/model.safetensors")
+    shapes = engine_shapes(AutoConfig.from_pretrained(_path("glm45")), tp=1, cpu=False)
+    engine = {name: tensor for _, name, tensor, _ in engine_layout(hf.items(), glm, shapes)}
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert engine[bias].dtype == torch.float32 and torch.equal(engine[bias], hf[bias])
+    assert engine["model.layers.1.self_attn.o_proj.weight"].dtype == torch.bfloat16
+    names = [bias, "model.layers.1.self_attn.o_proj.weight"]
+    (bucket,) = list(BucketPacker(1 << 20).pack(((n, hf[n]) for n in names), glm))
+    assert [m.dtype for m in bucket.metadata] == [torch.float32, torch.bfloat16]
+    assert torch.equal(bucket.flat[bucket.metadata[0].start_idx:bucket.metadata[0].end_idx].view(torch.float32), hf[bias])

@@ -17,9 +17,9 @@ import sys
 import pytest
 
 from megarl.errors import UserError
-from megarl.rewards.judge import (META_TEMPLATE, VERIFIER_TEMPLATE, Judge, JudgeModel, chat_prompt_ids, make_parser,
-                                  reduce_judgements, reduce_scores, render, self_verification_reward,
-                                  split_self_analysis)
+from megarl.rewards.judge import (META_TEMPLATE, META_TRAINING_TEMPLATE, VERIFIER_TEMPLATE, Judge, JudgeModel,
+                                  VerificationQuality, chat_prompt_ids, make_parser, reduce_judgements, reduce_scores,
+                                  render, scored, self_verification_reward, split_self_analysis, weighted)
 from megarl.rollout.client import Completion
 from megarl.testing import tiny_model_dir
 
@@ -172,6 +172,42 @@ def test_verifier_agreement_rewards_the_verifier_for_matching_the_label():
         reward("\\boxed{1}", "correct")
 
 
+def test_verifier_training_reward_weighted_by_the_meta_verifier():
+    """Training a verifier with a meta-verifier (DeepSeekMath-V2 sec. 2.1.2): R = R_format * R_score * q, q the
+    meta-verifier's quality of the policy's analysis, which it reads with the verification request."""
+    from concurrent.futures import Future
+
+    from transformers import AutoTokenizer
+
+    from megarl.rewards import resolve_reward
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir("qwen2"))
+    meta = ScriptedRouter(tok, ["\\boxed{1}", "\\boxed{0}", "made up \\boxed{0.5}", "no verdict", "\\boxed{1}",
+                                "\\boxed{1}"])
+    quality = VerificationQuality(JudgeModel(_stage(n=2, on_parse_error="skip"), meta, tok, META_TRAINING_TEMPLATE))
+    requests = ["Problem: 1+1=\nProof: 2", "Problem: 2+2=\nProof: 5", "Problem: 3+3=\nProof: 6"]
+    analyses = ["fine \\boxed{1}", "step 1 is wrong \\boxed{0}", "looks fine \\boxed{1}"]
+    labels = ["1", "0", "1"]
+    infos = quality.judge(requests, analyses, labels, [1, 2, None])
+    assert [i["meta_verifier"]["quality"] for i in infos] == [0.5, 0.5, 1.0]
+    assert [i["judge_parse_errors"] for i in infos] == [0, 1, 0]
+    assert meta.requests[2][0] == chat_prompt_ids(tok, render(META_TRAINING_TEMPLATE, prompt=requests[1],
+                                                              analysis=analyses[1]))
+    assert "sampling_seed" not in meta.requests[4][1]  # no seed, no sampling_seed
+    rule = resolve_reward("verifier_agreement")
+    pool: Future = Future()
+    out = weighted(pool, [i["meta_verifier"]["quality"] for i in infos])
+    pool.set_result([(rule(a, y), None) for a, y in zip(analyses, labels)])
+    assert out.result() == [(0.5, None), (0.5, None), (1.0, None)]
+    failing: Future = Future()
+    broken = weighted(failing, [1.0])
+    failing.set_exception(RuntimeError("reward worker died"))
+    with pytest.raises(RuntimeError, match="reward worker died"):
+        broken.result()
+    assert weighted(scored([0.5]), [0.5]).result() == [(0.25, None)]
+    json.dumps(infos)
+
+
 def test_self_verification_judges_the_solution_alone_and_the_self_analysis_by_the_meta_verifier():
     """Three responses: solution + self-analysis with a score; no self-analysis; a self-analysis without a score.
     The verifier sees each solution without its self-analysis; the meta-verifier judges the verifier's analyses and
@@ -237,6 +273,9 @@ JUDGE = ["reward.name=judge", "pools.judge.urls=[http://j:1]"]
     (JUDGE + ["reward.judge.meta_verifier.template=Check {response}"], "reward.judge.meta_verifier.template"),
     (JUDGE + ["reward.judge.self_verification.beta=-1"], "reward.judge.self_verification"),
     (JUDGE + ["reward.judge.self_verification.pattern=("], "reward.judge.self_verification.pattern"),
+    (["reward.name=verifier_agreement", "reward.judge.meta_verifier.pool=meta"], "reward.judge.meta_verifier.pool"),
+    (["reward.name=verifier_agreement", "pools.meta.urls=[http://m:1]", "reward.judge.meta_verifier.pool=meta",
+      "reward.judge.meta_verifier.template=Judge {prompt}"], "reward.judge.meta_verifier.template"),
 ])
 def test_config_errors_are_one_line_naming_the_field(overrides, field):
     with pytest.raises(UserError) as info:
@@ -352,6 +391,50 @@ def test_rollout_judged_by_a_real_engine(tiny_qwen2_engine, tmp_path):
     assert all(q["max_new_tokens"] == 8 and q["temperature"] == 1.0 and n <= 8 for _, q, n in Recording.requests)
     metrics = rollout_metrics(samples)
     assert metrics["reward/judge_parse_errors"] == sum(_parse_errors(s.extra) for s in samples)
+
+
+def test_verifier_training_rollout_weighted_by_a_real_meta_verifier(tiny_qwen2_engine, tmp_path):
+    """reward.name: verifier_agreement with reward.judge.meta_verifier through the rollout, the meta-verifier at the
+    session's real engine: each sample's reward is R_format * R_score (the rule on its own text and label) times the
+    quality recomputed from the meta-verifier texts the sample keeps."""
+    from megarl.data import ChatTokenizer, load_prompts
+    from megarl.rewards import RewardPool, resolve_reward
+    from megarl.rollout import EngineClient, EngineRouter
+    from megarl.trainer.rollout import PromptStream, Rollout, rollout_metrics
+
+    data = tmp_path / "verify.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Is {a}+{b}={c} right?", "answer": str(int(a + b == c))}) + "\n"
+                            for a, b, c in [(1, 1, 2), (2, 2, 5), (3, 4, 7)]))
+    path, url = tiny_model_dir("qwen2"), tiny_qwen2_engine.url
+    cfg = _cfg(f"run_dir={tmp_path}", f"data.train={data}", "rollout.n_samples=2", "rollout.prompts_per_step=3",
+               "rollout.request_size=2", "rollout.max_new_tokens=6", "logging.progress=false",
+               "reward.name=verifier_agreement", "reward.workers=1", f"pools.meta.urls=[{url}]",
+               "reward.judge.meta_verifier.pool=meta", "reward.judge.meta_verifier.n=2",
+               "reward.judge.meta_verifier.max_new_tokens=8", "reward.judge.meta_verifier.on_parse_error=skip",
+               "reward.judge.meta_verifier.template='Q: {prompt} V: {analysis}'",
+               "reward.judge.meta_verifier.parser=test_judge:quality_by_length")
+    tok = ChatTokenizer.from_pretrained(path)
+    rewards = RewardPool(cfg.reward.name, cfg.reward.workers)
+    rollout = Rollout(cfg, tok, EngineRouter([EngineClient(url)]), rewards,
+                      pools={"meta": EngineRouter([EngineClient(url)])})
+    try:
+        stream = PromptStream(load_prompts(str(data), tok, cfg.data), seed=0)
+        records = {r.index: r for r in stream.records}
+        samples, _ = rollout.collect(stream, step=1)
+    finally:
+        rollout.close()
+        rewards.close()
+    rule = resolve_reward("verifier_agreement")
+    assert len(samples) == 6
+    for s in samples:
+        judged = s.extra["meta_verifier"]
+        assert len(judged["texts"]) == 2 and judged["scores"] == [quality_by_length(t) for t in judged["texts"]]
+        kept = [q for q in judged["scores"] if q is not None]
+        quality = sum(kept) / len(kept) if kept else 0.0
+        assert judged["quality"] == pytest.approx(quality)
+        assert s.reward == pytest.approx(rule(s.extra["final_text"], records[s.prompt_index].answer) * quality)
+    assert rollout_metrics(samples)["reward/judge_parse_errors"] == \
+        sum(q is None for s in samples for q in s.extra["meta_verifier"]["scores"])
 
 
 def _greedy(url):

@@ -52,15 +52,17 @@ class BucketPacker:
                 self._buffer.share_memory_()
         return self._buffer
 
-    def pack(self, named_tensors, dtype: torch.dtype | None = None) -> Iterator[FlatBucket]:
-        """Buckets of at most bucket_bytes from a stream of (name, tensor). A yielded bucket is valid until the
-        consumer asks for the next one (the buffer is then reused)."""
+    def pack(self, named_tensors, dtype=None) -> Iterator[FlatBucket]:
+        """Buckets of at most bucket_bytes from a stream of (name, tensor), each tensor cast to `dtype` (a dtype, or
+        name -> dtype; None: as it is). A yielded bucket is valid until the consumer asks for the next one (the buffer
+        is then reused)."""
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
         metadata, used = [], 0
         for name, tensor in named_tensors:
-            if dtype is not None and tensor.dtype != dtype:
-                tensor = tensor.to(dtype)
+            want = dtype(name) if callable(dtype) else dtype
+            if want is not None and tensor.dtype != want:
+                tensor = tensor.to(want)
             nbytes = tensor.numel() * tensor.element_size()
             if nbytes > self.bucket_bytes:  # travels alone, without a copy into the buffer
                 if metadata:

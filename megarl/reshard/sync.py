@@ -20,7 +20,7 @@ from .. import platform
 from ..rollout.client import EngineClient
 from .buckets import DEFAULT_BUCKET_BYTES, BucketPacker
 from .transports import WeightSource
-from .verify import probe_sequences, verify_checksums, verify_probes
+from .verify import engine_dtypes, probe_sequences, verify_checksums, verify_probes
 
 
 @dataclass
@@ -42,7 +42,8 @@ class WeightSync:
         transport.setup(self.owners)
         self.probes = probe_sequences(bridge.vocab_size)
         self.source = WeightSource(bridge, chunks, self.owners, BucketPacker(
-            self.cfg.bucket_bytes, shared_memory=getattr(transport, "shared_memory", False)), self.dtype)
+            self.cfg.bucket_bytes, shared_memory=getattr(transport, "shared_memory", False)),
+            engine_dtypes(bridge.hf.config, self.dtype))
         self.last_stats: dict = {}
 
     def sync(self, version: str | None = None, verify: bool | None = None) -> dict:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -49,12 +50,13 @@ class TransportOptions:
 
 @dataclass
 class WeightSource:
-    """What a transport sends: the trainer's model, the ranks that own HF tensors, the packer and the engine dtype."""
+    """What a transport sends: the trainer's model, the ranks that own HF tensors, the packer and the dtype each
+    tensor is sent in (megarl.reshard.verify.engine_dtypes: the engine's, float32 where the engine keeps it)."""
     bridge: object
     chunks: list
     owners: list[int]
     packer: BucketPacker
-    dtype: torch.dtype
+    dtype: Callable[[str], torch.dtype]
 
 
 def send_buckets(transport, source: WeightSource, version: str) -> tuple[int, int]:

@@ -26,6 +26,7 @@ import hashlib
 import logging
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -56,8 +57,24 @@ _EXPERT_PROJECTIONS = {
     "block_sparse_moe": {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},  # Mixtral
 }
 _EXPERT_ROLES = ("gate_proj", "up_proj", "down_proj")
+# Tensors SGLang 0.5.23 holds in float32 whatever the engine's dtype: routers whose scores decide which experts run
+# (an e_score_correction_bias spread over a few bf16 ULPs would collapse in bf16 and reorder the top-k)
+_FP32_IN_ENGINE = {
+    "glm4_moe": (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),  # models/glm4_moe.py, Glm4MoeGate
+    "deepseek_v3": (".mlp.gate.e_score_correction_bias",),  # models/deepseek_v2.py, MoEGate (topk_method noaux_tc)
+}
 _EXPERT = re.compile(r"^(.*\.(%s)\.experts\.)(\d+)\.(\w+)\.weight$" % "|".join(map(re.escape, _EXPERT_PROJECTIONS)))
 _LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def engine_dtypes(hf_config, dtype: torch.dtype) -> Callable[[str], torch.dtype]:
+    """name -> the dtype the engine holds that tensor in (and the weight sync sends it in): `dtype`, except the
+    family's float32 router tensors (_FP32_IN_ENGINE; DeepSeek-V3's router weight too when its config sets
+    router_fp32, as MoEGate reads it)."""
+    fp32 = _FP32_IN_ENGINE.get(getattr(hf_config, "model_type", None), ())
+    if getattr(hf_config, "router_fp32", False):
+        fp32 += (".mlp.gate.weight",)
+    return lambda name: torch.float32 if name.endswith(fp32) else dtype
 
 
 def expert_name(hf_name: str) -> tuple[str, int, str] | None:
@@ -206,11 +223,13 @@ class _Digest:
         return f"{tensor_hash(torch.cat(self.parts).cuda()):016x}"
 
 
-def engine_layout(named_tensors, dtype: torch.dtype, shapes: EngineShapes, ranks: range | None = None):
+def engine_layout(named_tensors, dtype, shapes: EngineShapes, ranks: range | None = None):
     """(engine rank, engine name, that rank's engine tensor, HF sources) for the non-expert HF tensors given; fused
     groups are completed as their parts arrive (parts of one fused tensor come from one Megatron tensor, so from one
-    owner). Expert tensors are skipped (see `expert_pieces`)."""
+    owner). Expert tensors are skipped (see `expert_pieces`). dtype: the engine's, or name -> dtype
+    (`engine_dtypes`)."""
     ranks = range(shapes.tp) if ranks is None else ranks
+    dtype_of = dtype if callable(dtype) else (lambda _: dtype)
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named_tensors:
         if expert_name(name):
@@ -218,7 +237,7 @@ def engine_layout(named_tensors, dtype: torch.dtype, shapes: EngineShapes, ranks
         fused = next(((eng, parts) for eng, parts in _FUSED.items() if name.endswith(tuple(parts))), None)
         if fused is None:
             for r in ranks:
-                yield r, name, rank_slice(tensor, name, shapes, r).to(dtype), [name]
+                yield r, name, rank_slice(tensor, name, shapes, r).to(dtype_of(name)), [name]
             continue
         engine_suffix, parts = fused
         prefix = name[: -len(next(p for p in parts if name.endswith(p)))]
@@ -228,8 +247,8 @@ def engine_layout(named_tensors, dtype: torch.dtype, shapes: EngineShapes, ranks
         if all(s in group for s in sources):
             del pending[prefix + engine_suffix]
             for r in ranks:
-                yield r, prefix + engine_suffix, torch.cat([rank_slice(group[s], s, shapes, r).to(dtype)
-                                                            for s in sources]), sources
+                yield r, prefix + engine_suffix, torch.cat([rank_slice(group[s], s, shapes, r).to(
+                    dtype_of(prefix + engine_suffix)) for s in sources]), sources
 
 
 def expert_pieces(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, prefix: str, shapes: EngineShapes,
@@ -261,7 +280,8 @@ def verify_checksums(bridge, chunks, client: EngineClient | None, dtype: torch.d
     shapes = engine_shapes(bridge.hf.config, layout["tp"], cpu=not layout["gpu"])
     mine, experts = {}, {}
     for r, name, tensor, sources in engine_layout(_collect_experts(bridge.export_hf_weights(chunks, copy=False),
-                                                                   experts), dtype, shapes):
+                                                                   experts), engine_dtypes(bridge.hf.config, dtype),
+                                                  shapes):
         digest = _Digest(layout["gpu"])
         digest.update(tensor)
         mine[(r, name)] = (digest.hexdigest(), sources)

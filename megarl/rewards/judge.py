@@ -48,6 +48,12 @@ META_TEMPLATE = ("Problem:\n{prompt}\n\nSolution:\n{response}\n\nA grader's anal
                  "Are the issues the analysis claims real, and is its score justified? Explain briefly, then end with "
                  "\\boxed{1} (faithful), \\boxed{0.5} (partly) or \\boxed{0} (not faithful).")
 
+# training a verifier (reward.name: verifier_agreement): the policy's prompt is the verification request (problem and
+# proof), its response the analysis
+META_TRAINING_TEMPLATE = ("A grader was asked:\n{prompt}\n\nThe grader's analysis:\n{analysis}\n\nAre the issues the "
+                          "analysis claims real, and is its score justified? Explain briefly, then end with \\boxed{1} "
+                          "(faithful), \\boxed{0.5} (partly) or \\boxed{0} (not faithful).")
+
 # the last \boxed{x} or "Score: x" (x a plain decimal number)
 DEFAULT_PATTERN = r"\\boxed\{\s*([-+]?\d*\.?\d+)\s*\}|Score:\s*([-+]?\d*\.?\d+)"
 _DEFAULT_REGEX = re.compile(DEFAULT_PATTERN)
@@ -266,21 +272,11 @@ class Judge:
     @classmethod
     def from_config(cls, cfg, routers: dict, deterministic: bool = True) -> "Judge":
         """From a TrainConfig (reward.judge, pools) and the pools' routers (megarl.rollout.pools.EnginePools)."""
-        from transformers import AutoTokenizer
-
-        from ..rollout.pools import pool_tokenizer_path
-
-        def model(stage, default, field):
-            if stage.pool not in routers:
-                raise ValueError(f"{field}.pool={stage.pool!r}: no router for that pool was handed to the rollout "
-                                 f"(have {sorted(routers)})")
-            path = pool_tokenizer_path(cfg.pools[stage.pool], routers[stage.pool].clients[0], f"pools.{stage.pool}")
-            return JudgeModel(stage, routers[stage.pool], AutoTokenizer.from_pretrained(path), default, deterministic,
-                              field)
-
         j = cfg.reward.judge
-        meta = model(j.meta_verifier, META_TEMPLATE, "reward.judge.meta_verifier") if j.meta_verifier else None
-        return cls(model(j, VERIFIER_TEMPLATE, "reward.judge"), meta, j.self_verification)
+        meta = judge_model(cfg, routers, j.meta_verifier, META_TEMPLATE, "reward.judge.meta_verifier",
+                           deterministic) if j.meta_verifier else None
+        return cls(judge_model(cfg, routers, j, VERIFIER_TEMPLATE, "reward.judge", deterministic), meta,
+                   j.self_verification)
 
     def score(self, prompts: list[str], responses: list[str], answers: list, seeds: list[int | None]) -> list[Verdict]:
         """One Verdict per response (its score is the reward)."""
@@ -334,6 +330,64 @@ class Judge:
             verdicts.append(Verdict(reduce_judgements(values, v.reduce, v.on_parse_error, v.parse_error_score), ts, ps,
                                     meta_texts=mt, meta_scores=mp, parse_errors=errors))
         return verdicts
+
+
+def judge_model(cfg, routers: dict, stage, default_template: str, field: str, deterministic: bool) -> JudgeModel:
+    """The JudgeModel of one stage: its pool's router (from megarl.rollout.pools.EnginePools) and tokenizer."""
+    from transformers import AutoTokenizer
+
+    from ..rollout.pools import pool_tokenizer_path
+
+    if stage.pool not in routers:
+        raise ValueError(f"{field}.pool={stage.pool!r}: no router for that pool was handed to the rollout "
+                         f"(have {sorted(routers)})")
+    path = pool_tokenizer_path(cfg.pools[stage.pool], routers[stage.pool].clients[0], f"pools.{stage.pool}")
+    return JudgeModel(stage, routers[stage.pool], AutoTokenizer.from_pretrained(path), default_template,
+                      deterministic, field)
+
+
+class VerificationQuality:
+    """Training a verifier with a meta-verifier (reward.name: verifier_agreement + reward.judge.meta_verifier),
+    DeepSeekMath-V2 sec. 2.1.2: the meta-verifier reads the verification request and the policy's analysis and scores
+    whether the issues it claims are real, q in [0, 1] (n judgements reduced, unparseable ones by the stage's rule);
+    the verifier's reward R_format * R_score becomes R_format * R_score * q (`weighted`), so a right score reached by
+    a made-up analysis earns nothing."""
+
+    def __init__(self, meta: JudgeModel):
+        self.meta = meta
+
+    @classmethod
+    def from_config(cls, cfg, routers: dict, deterministic: bool = True) -> "VerificationQuality":
+        return cls(judge_model(cfg, routers, cfg.reward.judge.meta_verifier, META_TRAINING_TEMPLATE,
+                               "reward.judge.meta_verifier", deterministic))
+
+    def judge(self, prompts: list[str], analyses: list[str], answers: list, seeds: list[int | None]) -> list[dict]:
+        """Per response, the info for Sample.extra: {"meta_verifier": {"quality", "texts", "scores"},
+        "judge_parse_errors", "judged"} (the quality is the reward's factor)."""
+        m = self.meta.stage
+        texts = self.meta.sample([{"prompt": p, "response": "", "answer": a, "analysis": z}
+                                  for p, z, a in zip(prompts, analyses, answers)],
+                                 [None if s is None else s + 104_729 for s in seeds])
+        out = []
+        for ts in texts:
+            ps = [self.meta.parse(t) for t in ts]
+            quality = reduce_judgements(ps, m.reduce, m.on_parse_error, m.parse_error_score)
+            out.append({"meta_verifier": {"quality": quality, "texts": ts, "scores": ps},
+                        "judge_parse_errors": sum(p is None for p in ps), "judged": 1})
+        return out
+
+
+def weighted(future: Future, weights: list[float]) -> Future:
+    """A reward pool's Future of [(score, error)] with each score multiplied by its weight (errors kept as they are)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result([(score * w, error) for (score, error), w in zip(f.result(), weights)])
+        except Exception as e:  # the pool's failure reaches whoever waits on the weighted scores
+            out.set_exception(e)
+    future.add_done_callback(done)
+    return out
 
 
 def scored(values: list[float]) -> Future:

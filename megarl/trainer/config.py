@@ -209,7 +209,10 @@ class SelfVerificationConfig:
 @dataclass
 class JudgeConfig(JudgeStage):
     """reward.name: judge. meta_verifier (DeepSeekMath-V2): a second model reads each parsed verifier analysis
-    ({analysis}) and scores its faithfulness in [0, 1]; the response's score is then verifier x meta quality."""
+    ({analysis}) and scores its faithfulness in [0, 1]; the response's score is then verifier x meta quality. With
+    reward.name: verifier_agreement (training a verifier) only meta_verifier is read: it scores the policy's own
+    analysis ({prompt}: the verification request, {analysis}: the response), and the reward becomes
+    R_format x R_score x that quality."""
     meta_verifier: Optional[JudgeStage] = None
     self_verification: Optional[SelfVerificationConfig] = None
 
@@ -528,12 +531,14 @@ class TrainConfig:
                 _choice(f"pools.{name}.dtype", pool.dtype, ("bfloat16", "float32"))
             _choice(f"pools.{name}.router_policy", pool.router_policy, POLICIES)
         self.pools = pools
+        meta = self.reward.judge.meta_verifier
+        if self.reward.name == "verifier_agreement" and meta is not None:
+            # verifier training weighted by a meta-verifier: it reads the verification request and the analysis
+            _validate_judge_stage("reward.judge.meta_verifier", meta, pools, ("{prompt}", "{analysis}"))
         if self.reward.name == "judge":
-            stages = [("reward.judge", self.reward.judge)]
-            if self.reward.judge.meta_verifier is not None:
-                stages.append(("reward.judge.meta_verifier", self.reward.judge.meta_verifier))
-            for field_name, stage in stages:
-                _validate_judge_stage(field_name, stage, pools, meta=field_name.endswith("meta_verifier"))
+            _validate_judge_stage("reward.judge", self.reward.judge, pools, ("{response}",))
+            if meta is not None:
+                _validate_judge_stage("reward.judge.meta_verifier", meta, pools, ("{response}", "{analysis}"))
             sv = self.reward.judge.self_verification
             if sv is not None:
                 if not sv.marker.strip():
@@ -585,7 +590,8 @@ class TrainConfig:
         return getattr(getattr(self, section), key)
 
 
-def _validate_judge_stage(name: str, stage: JudgeStage, pools: dict, meta: bool) -> None:
+def _validate_judge_stage(name: str, stage: JudgeStage, pools: dict, required: tuple[str, ...]) -> None:
+    """One judge stage's settings; a template of its own must hold the `required` placeholders."""
     if stage.pool not in pools:
         raise ConfigError(f"{name}.pool={stage.pool!r} names no pool (pools: {sorted(pools)}). Fix: add "
                           f"pools.{stage.pool}.model (or .urls), or set {name}.pool to one of them")
@@ -597,7 +603,6 @@ def _validate_judge_stage(name: str, stage: JudgeStage, pools: dict, meta: bool)
                           f"Fix: e.g. {name}.temperature=1.0, {name}.top_p=1.0")
     _choice(f"{name}.reduce", stage.reduce, ("mean", "majority"))
     _choice(f"{name}.on_parse_error", stage.on_parse_error, ("score", "skip"))
-    required = ("{response}", "{analysis}") if meta else ("{response}",)
     missing = [p for p in required if stage.template is not None and p not in stage.template]
     if missing:
         raise ConfigError(f"{name}.template has no {' or '.join(missing)} placeholder: the judge would not see what "

@@ -22,7 +22,7 @@ from ..envs import Episode, make_env, run_episodes
 from ..envs.episode import check_turn
 from ..errors import PeerFailed, UserError
 from ..evaluation import majority_at_n, normalise_answer, pass_at_k_curve
-from ..rewards.judge import Judge, scored as judged
+from ..rewards.judge import Judge, VerificationQuality, scored as judged, weighted
 from .async_rollout import token_versions
 from .batching import Sample
 
@@ -95,6 +95,9 @@ class Rollout:
         # megarl.rollout.pools), asked in each chunk's thread as the chunk returns
         self.judge = Judge.from_config(cfg, pools or {}, cfg.rollout.deterministic) \
             if cfg.reward.name == "judge" else None
+        # training a verifier (verifier_agreement) with a meta-verifier: its quality of each analysis weights the reward
+        self.verification_quality = VerificationQuality.from_config(cfg, pools or {}, cfg.rollout.deterministic) \
+            if cfg.reward.name == "verifier_agreement" and cfg.reward.judge.meta_verifier is not None else None
         # asynchronous RL with partial rollouts: a weight update aborts requests in flight; they continue under it
         self.partial = cfg.rl.max_staleness > 0 and cfg.rl.partial_rollouts
         self.stop_ids = sorted(set(tokenizer.stop_ids) | set(cfg.rollout.stop_token_ids))
@@ -169,6 +172,13 @@ class Rollout:
                 scored = judged([v.score for v in verdicts])
             else:
                 scored = self.rewards.submit(texts)
+            if self.verification_quality is not None:  # asked while the reward pool scores the chunk
+                infos = self.verification_quality.judge(
+                    [r.text for _, r, _ in piece], [t for t, _ in texts], [a for _, a in texts],
+                    [request_seed(*seed_parts, r.index, j, "judge") for _, r, j in piece])
+                for e, info in zip(episodes, infos):
+                    e.info.update(info)
+                scored = weighted(scored, [info["meta_verifier"]["quality"] for info in infos])
             taught = self.teacher.response_log_probs([e.prompt_ids for e in episodes],
                                                      [e.response_ids for e in episodes]) \
                 if teacher and temp > 0 else [None] * len(episodes)  # never for the untrained greedy rollouts
