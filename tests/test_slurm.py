@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from megarl.testing import tiny_model_dir
 from tiny_rl import write_config
 from slurm_cluster import TERMINAL, BashSlurm, LocalSlurmCluster, SlurmUnavailable
 
@@ -196,11 +197,17 @@ def test_preemption_checkpoints_requeues_and_resumes(cluster, tmp_path):
 def test_disaggregated_job_completes(cluster, tmp_path):
     """slurm/train_disagg.sbatch with rollout.placement=disaggregated, rollout.engine.nodes=1: n2 runs the SGLang
     server, n1 trains against it and pushes weights over reshard.transport=distributed, asynchronously (rl.max_staleness
-    1; real Slurm only: the bash stand-in has one node)."""
+    1; real Slurm only: the bash stand-in has one node). The reward is a judge model's (reward.name: judge) whose pool
+    the config starts (pools.judge.model): its server runs on the engine node too, and the trainer reaches it there."""
     if cluster.kind != "slurm":
         pytest.skip(f"needs two Slurm nodes; real Slurm unavailable: {cluster.unavailable_reason}")
     name = "megarl-d"
-    config, run_dir = _config(tmp_path, "disagg", steps=2)
+    judge = tiny_model_dir("qwen2")  # another model (its own tokenizer); short template: its context is 256 tokens
+    config = write_config(tmp_path, "disagg", seed=5, rl={"steps": 2}, checkpoint={"save_every": 0},
+                          reward={"name": "judge", "workers": 1,
+                                  "judge": {"template": "P: {prompt} R: {response} A: {answer}", "max_new_tokens": 8}},
+                          pools={"judge": {"model": judge}})
+    run_dir = str(tmp_path / "disagg")
     job_env = {"PYTHONPATH": os.pathsep.join(p for p in (os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH"))
                                              if p),
                "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "GPUS_PER_NODE": "1"}
@@ -218,8 +225,11 @@ def test_disaggregated_job_completes(cluster, tmp_path):
     batch = _batch_log(tmp_path, name, job)
     assert "engines healthy: http://127.0.0.1:" in batch and "training finished" in batch, batch
     assert "trainer nodes n1," in batch and "starting 1 SGLang server(s) on n2" in batch, batch
+    assert "and 1 pool server(s) (judge:0:pools.judge:" in batch and "pools.judge.model=null" in batch, batch
     engine_log = open(os.path.join(run_dir, "logs", f"{name}-{job}-engine0.log")).read()
     assert "sglang.launch_server" in engine_log and "--host 0.0.0.0" in engine_log, engine_log[-2000:]
+    assert "pool judge server 0: $" in engine_log and f"--model-path {judge}" in engine_log, engine_log[-2000:]
+    assert all("reward/judge_parse_errors" in r for r in rows if r["step"] >= 1 and "reward/mean" in r)
     assert not os.path.isdir(os.path.join(run_dir, "engine"))  # the trainer started no engine of its own
     _no_leftovers(run_dir)
 

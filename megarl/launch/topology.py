@@ -316,8 +316,9 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
     if started_pools and on_gpu:
         notes.append(f"the engine pools {[n for n, _ in started_pools]} are started by trainer rank 0 on node "
                      f"{trainer_nodes[0]}, on GPUs the trainer also trains on, and keep their memory throughout (only "
-                     "the policy's engines release theirs); for large judges or teachers, start their servers on "
-                     "nodes of their own and set pools.<name>.urls (teacher.urls)")
+                     "the policy's engines release theirs); slurm/train_disagg.sbatch starts them on its last engine "
+                     "node instead; for large judges or teachers, start their servers on nodes of their own and set "
+                     "pools.<name>.urls (teacher.urls)")
     rdzv_endpoint = f"{hosts[trainer_nodes[0]]}:{rdzv_port}"  # the c10d store runs on the first trainer node
     node_plans = []
     for node in range(nnodes):
