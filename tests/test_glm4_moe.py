@@ -22,7 +22,8 @@ AIR = dict(use_qk_norm=False, attention_bias=False, n_group=1, topk_group=1, n_s
 MODELS = {"glm45": {}, "glm45_air": AIR}
 # (name, layout, world size)
 LAYOUTS = [("tp1", {}, 1), ("tp2", {"tp": 2}, 2), ("ep2", {"ep": 2}, 2), ("pp2", {"pp": 2}, 2),
-           ("tp2ep2", {"tp": 2, "ep": 2}, 4), ("pp2ep2", {"pp": 2, "ep": 2}, 4)]
+           ("tp2ep2", {"tp": 2, "ep": 2}, 4), ("tp2ep2etp1", {"tp": 2, "ep": 2, "etp": 1}, 4),
+           ("pp2ep2", {"pp": 2, "ep": 2}, 4)]
 GRAD_LAYOUTS = [("tp2", {"tp": 2}, 2), ("ep2", {"ep": 2}, 2)]
 
 
