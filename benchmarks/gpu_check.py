@@ -19,9 +19,8 @@ stop the others):
    model and the Qwen2.5-0.5B shape, bf16): log-prob and gradient differences, tokens computed, time both ways.
 6. `deepseek_v3`: a tiny DeepSeek-V3 (MLA with YaRN, shared experts, sigmoid router with bias, group-limited
    routing) through 2 GRPO steps with routing replay (R3), the engine colocated: weight sync verified by checksums +
-   probe log-probs every step, trainer-vs-engine log-prob mismatch and routing agreement. SGLang's CPU engine serves
-   this model but its forward differs from transformers (README, Supported models), so only a GPU shows the engine
-   path.
+   probe log-probs every step, trainer-vs-engine log-prob mismatch and routing agreement: MLA through SGLang's GPU
+   attention backends and the TransformerEngine spec (on CPU the suite runs the engine path on torch_native).
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Qwen3-MoE at EP=2 (and TP=2 x EP=2) -> SGLang on CPU: experts gathered under their global index, verified.
+"""Qwen3-MoE at EP=2 (and TP=2 x EP=2) and DeepSeek-V3 at EP=2 -> SGLang on CPU: experts gathered under their global
+index, verified.
 
 Mixtral's experts (block_sparse_moe.experts.N.w1/w3/w2) are checked against SGLang's fused layout without an engine:
 a Mixtral engine start costs ~75 s on this 2-core machine under the suite's load (measured 2026-12-03; qwen3_moe's
@@ -108,8 +109,8 @@ def test_mixtral_experts_are_checked_in_sglang_fused_layout():
 def _sglang_deepseek_v3_checksums(path: str) -> dict[str, str]:
     """What SGLang 0.5.23's CPU engine (TP 1, fp32) reports for a DeepSeek-V3 folder, rebuilt from the safetensors:
     q_a_proj and kv_a_proj_with_mqa fused into fused_qkv_a_proj_with_mqa (models/deepseek_v2.py, q_lora_rank set), the
-    dense MLPs' and shared experts' gate/up into gate_up_proj, each MoE layer's routed experts into w13_weight / w2_weight,
-    the router's weight and e_score_correction_bias as they are."""
+    dense MLPs' and shared experts' gate/up into gate_up_proj, each MoE layer's routed experts into w13_weight /
+    w2_weight, the router's weight and e_score_correction_bias as they are."""
     from safetensors.torch import load_file
 
     hf = load_file(f"{path}/model.safetensors")
@@ -128,17 +129,17 @@ def _sglang_deepseek_v3_checksums(path: str) -> dict[str, str]:
         prefix = f"model.layers.{layer}.mlp.experts."
         count = len({n for n in hf if n.startswith(prefix) and n.endswith(".gate_proj.weight")})
         engine[prefix + "w13_weight"] = torch.stack([torch.cat([hf[f"{prefix}{e}.gate_proj.weight"],
-                                                                hf[f"{prefix}{e}.up_proj.weight"]]) for e in range(count)])
+                                                                hf[f"{prefix}{e}.up_proj.weight"]])
+                                                     for e in range(count)])
         engine[prefix + "w2_weight"] = torch.stack([hf[f"{prefix}{e}.down_proj.weight"] for e in range(count)])
     return {n: hashlib.sha256(t.float().contiguous().numpy().tobytes()).digest()[:8].hex() for n, t in engine.items()}
 
 
 def test_deepseek_v3_is_checked_in_sglang_layout():
-    """DeepSeek-V3 (MLA) weight-sync checksums at EP 2 against SGLang's layout rebuilt by hand. Checked once against
-    real SGLang 0.5.23 CPU engines serving the tiny model (2026-12-04): at engine TP 1 an EP 2 sync verified every
-    engine tensor, and at engine TP 2 all 98 non-expert (rank, tensor) checksums of the unmodified model matched
-    (q_b_proj / kv_b_proj split by rows, o_proj by columns, the fused down-projections replicated). That engine's
-    forward does not match transformers on CPU (README, Supported models), so no engine runs here."""
+    """DeepSeek-V3 (MLA) weight-sync checksums at EP 2 against SGLang's layout rebuilt by hand (the real engine below
+    checks the same at engine TP 1; at engine TP 2, checked once by hand on 2026-12-04, all 98 non-expert (rank,
+    tensor) checksums of the unmodified model matched: q_b_proj / kv_b_proj split by rows, o_proj by columns, the fused
+    down-projections replicated)."""
     path = tiny_model_dir("deepseek_v3")
     expected = _sglang_deepseek_v3_checksums(path)
     assert "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight" in expected
@@ -167,3 +168,33 @@ def test_corrupted_expert_slice_is_detected_and_named(engine):
     assert "WeightMismatchError" in message
     assert "engine tensor model.layers.2.mlp.experts.w13_weight differs" in message  # the fused tensor it went into
     assert "model.layers.2.mlp.experts.{0..3}.up_proj.weight" in message
+
+
+@pytest.fixture(scope="module")
+def deepseek_engine(tmp_path_factory):
+    with tiny_engine("deepseek_v3", str(tmp_path_factory.mktemp("engine-deepseek"))) as server:
+        yield server
+
+
+def test_deepseek_v3_engine_computes_transformers_model_and_takes_an_ep2_sync(deepseek_engine):
+    """SGLang's CPU engine serving the tiny DeepSeek-V3 (MLA with YaRN, shared expert, sigmoid router with bias,
+    group-limited routing): its prompt log-probs equal transformers' (without megarl's torch_native MLA patch,
+    megarl/platform/sglang_cpu/sitecustomize.py, they differ by up to 2 nats), and an EP 2 sync from a perturbed
+    trainer is verified (checksums of every engine tensor, probes) with the engine's log-probs equal to the
+    trainer's."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.rollout import EngineClient
+
+    path = tiny_model_dir("deepseek_v3")
+    seq = [list(range(5, 41))]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        log_probs = torch.log_softmax(hf(torch.tensor(seq)).logits, -1)[0, :-1]
+    reference = log_probs.gather(-1, torch.tensor(seq)[0, 1:, None])
+    engine = torch.tensor(EngineClient(deepseek_engine.url).prompt_log_probs(seq)[0])
+    assert (engine - reference[:, 0]).abs().max() < 1e-4
+    r = run_ranks(2, ranks.sync_and_compare, path, deepseek_engine.url, {"ep": 2}, "tensor", 21)[0]
+    assert (torch.tensor(r["engine"]) - torch.tensor(r["trainer"])).abs().max() < 1e-4
+    assert (torch.tensor(r["before"]) - torch.tensor(r["after"])).abs().max() > 1e-2
+    assert r["stats"]["verified_tensors"] > 40 and r["stats"]["probe_max_abs_diff"] < 1e-4

@@ -189,4 +189,5 @@ def test_bf16_engines_hold_the_router_in_fp32_and_the_sync_sends_it_so():
     names = [bias, "model.layers.1.self_attn.o_proj.weight"]
     (bucket,) = list(BucketPacker(1 << 20).pack(((n, hf[n]) for n in names), glm))
     assert [m.dtype for m in bucket.metadata] == [torch.float32, torch.bfloat16]
-    assert torch.equal(bucket.flat[bucket.metadata[0].start_idx:bucket.metadata[0].end_idx].view(torch.float32), hf[bias])
+    first = bucket.metadata[0]
+    assert torch.equal(bucket.flat[first.start_idx:first.end_idx].view(torch.float32), hf[bias])

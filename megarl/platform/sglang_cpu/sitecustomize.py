@@ -1,7 +1,8 @@
 """Import-time patches for SGLang's CPU engine, loaded only by megarl's CPU SGLang servers (this folder is on their
 PYTHONPATH). Each patch is applied when SGLang imports the module it patches.
 
-1. Per-request seeded sampling (only when MEGARL_SGLANG_SEEDED_SAMPLING=1).
+1. Per-request seeded sampling (only when MEGARL_SGLANG_SEEDED_SAMPLING=1). 2. Routed-experts capture on CPU.
+3. Multi-latent attention (DeepSeek-V3) prefill on the torch_native backend. (2 and 3: see their functions.)
 
 Why: an RL run that is killed and resumed must draw the same rollouts as an uninterrupted one, so megarl gives every
 request a `sampling_seed`. SGLang 0.5.23 honours per-request seeds only under --enable-deterministic-inference
@@ -56,7 +57,27 @@ def _patch_routed_experts_host_cache(module) -> None:
     module.ALLOC_MEMORY_FUNCS = table
 
 
-_PATCHES = {"sglang.srt.state_capturer.base": _patch_routed_experts_host_cache}
+def _patch_mla_on_torch_native(module) -> None:
+    """3. DeepSeek-V3 (multi-latent attention) on the torch_native attention backend: prefill through the absorbed MLA
+    path.
+
+    Why: SGLang 0.5.23 has no MLA dispatch of its own for torch_native, so it takes triton's
+    (sglang/srt/models/deepseek_common/attention_backend_handler.py, AttentionBackendRegistry.get_handler), which sends
+    every prefill without a cached prefix down the MHA path (forward_mha.py: k and v expanded through kv_b_proj, then
+    attn_mha(..., save_kv_cache=False)). torch_native's forward_extend ignores the k and v it is given and attends over
+    the layer's KV cache (layers/attention/torch_native_backend.py, get_key_buffer / get_value_buffer), which for MLA
+    holds the compressed latent: the normalised kv_a as the value, kv_b_proj never applied. The prompt's log-probs
+    and every token after it were those of another function (up to 2 nats from transformers on a tiny DeepSeek-V3;
+    shapes that do not line up by chance crash at start-up). What: torch_native gets the MLA dispatch SGLang's other
+    CPU path uses (_dispatch_mla_subtype: the absorbed path, which writes and reads the latent cache consistently).
+    With it the engine equals transformers to ~1e-6, also after weight updates (post_load_weights rebuilds w_kc/w_vc
+    from each kv_b_proj it receives).
+    """
+    module.AttentionBackendRegistry.register("torch_native", module._dispatch_mla_subtype)
+
+
+_PATCHES = {"sglang.srt.state_capturer.base": _patch_routed_experts_host_cache,
+            "sglang.srt.models.deepseek_common.attention_backend_handler": _patch_mla_on_torch_native}
 if os.environ.get("MEGARL_SGLANG_SEEDED_SAMPLING") == "1":
     _PATCHES["sglang.srt.sampling.sampling_batch_info"] = _patch_seeded_sampling
 
