@@ -123,3 +123,24 @@ def test_moe_options_reach_the_megatron_config(tmp_path):
     with pytest.raises(ConfigError, match="rollout.routing_replay, model.moe_aux_loss_coeff, model.freeze_router_bias "
                                           "apply to MoE models; .* is dense"):
         moe_config_overrides(cfg, open_model_folder(tiny_model_dir("qwen2")))
+
+
+def test_expert_load_and_assignments_count_only_the_samples_routed_tokens():
+    """moe/expert_load_* and moe/dropped_token_frac count the positions routing agreement counts (each sample's tokens
+    but its last): padding, and under R3 the placeholder experts of positions the engine never routed, do not."""
+    from types import SimpleNamespace
+
+    from megarl.models.moe import RoutingStats
+
+    router = SimpleNamespace(layer_number=1, topk=1, config=SimpleNamespace(sequence_parallel=False))
+    stats = RoutingStats.__new__(RoutingStats)
+    stats.routers = [router]
+    # one micro-batch of 2 rows x 3 positions, tokens in [s, b] order: (s0,b0) (s0,b1) (s1,b0) (s1,b1) (s2,b0) (s2,b1)
+    experts = torch.tensor([2, 1, 2, 0, 0, 0])  # row 1 is padding after its first token; position 2 is a last token
+    stats.maps = {1: [torch.nn.functional.one_hot(experts, 3).bool()]}
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]]).float()
+    assert stats.load(1, 3, mask, 1).tolist() == [[0.0, 1.0, 2.0]]  # tokens (s0,b0) (s0,b1) (s1,b0) only
+    assert stats.load(1, 3).tolist() == [[3.0, 1.0, 2.0]]  # every position
+    assert stats.assignments(mask, 1).tolist() == [3.0, 3.0]
+    routed = torch.tensor([2, 0, 1, 0, 0, 0]).view(3, 2).t().reshape(2, 3, 1, 1)  # engine: (s0,b1) and (s1,b0) differ
+    assert stats.agreement(routed, mask, 1).tolist() == [1.0, 3.0]

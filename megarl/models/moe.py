@@ -76,42 +76,54 @@ class RoutingStats:
         for hook in self._hooks:
             hook.remove()
 
+    def _recorded(self, mask: torch.Tensor | None, micro_batches: int, layouts: list | None):
+        """Per router and recorded forward (micro-batch m): (router, rows of m, m's PackedLayout or None, routing_map
+        [tokens, E], counted [tokens] bool: the tokens `mask` [b, s] selects, all of them without a mask)."""
+        for router in self.routers:
+            for m, routing_map in enumerate(self.maps.get(router.layer_number, [])):
+                layout = layouts[m] if layouts is not None else None
+                if mask is None:
+                    yield router, None, layout, routing_map, torch.ones(routing_map.shape[0], dtype=torch.bool)
+                    continue
+                rows = mask.shape[0] // micro_batches
+                part = slice(m * rows, (m + 1) * rows)
+                positions = layout.pack(mask[part]) if layout is not None else mask[part]
+                yield router, part, layout, routing_map, _tokens_of(router, positions.unsqueeze(-1)).squeeze(-1) > 0
+
     def agreement(self, routed_experts: torch.Tensor, mask: torch.Tensor, micro_batches: int,
                   layouts: list | None = None) -> torch.Tensor:
         """[matches, counted] summed over this rank's layers and micro-batches (all-reduce them for the global
         agreement). layouts: the micro-batches' PackedLayouts when the recorded forwards ran packed
         (megarl.losses.step.schedule_layouts): the engine's routing and the mask are packed the same way."""
         out = torch.zeros(2, dtype=torch.float64)
-        rows = routed_experts.shape[0] // micro_batches
-        for router in self.routers:
-            for m, routing_map in enumerate(self.maps.get(router.layer_number, [])):
-                part = slice(m * rows, (m + 1) * rows)
-                engine, positions = routed_experts[part, :, router.layer_number - 1], mask[part]
-                if layouts is not None and layouts[m] is not None:
-                    engine, positions = layouts[m].pack(engine, repeat_last=True), layouts[m].pack(positions)
-                engine = _tokens_of(router, engine)
-                counted = _tokens_of(router, positions.unsqueeze(-1)).squeeze(-1) > 0
-                used = routing_map.gather(1, engine.to(routing_map.device).long()).float()  # engine's experts used?
-                out[0] += float(used[counted].sum())
-                out[1] += float(counted.sum()) * engine.shape[-1]
+        for router, part, layout, routing_map, counted in self._recorded(mask, micro_batches, layouts):
+            engine = routed_experts[part, :, router.layer_number - 1]
+            if layout is not None:
+                engine = layout.pack(engine, repeat_last=True)
+            engine = _tokens_of(router, engine)
+            used = routing_map.gather(1, engine.to(routing_map.device).long()).float()  # engine's experts used?
+            out[0] += float(used[counted.to(used.device)].sum())
+            out[1] += float(counted.sum()) * engine.shape[-1]
         return out
 
-    def assignments(self) -> torch.Tensor:
-        """[expert slots filled, tokens x top-k] over every recorded forward: below top-k when tokens were dropped
-        (moe_expert_capacity_factor)."""
+    def assignments(self, mask: torch.Tensor | None = None, micro_batches: int = 1,
+                    layouts: list | None = None) -> torch.Tensor:
+        """[expert slots filled, tokens x top-k] over the recorded forwards' tokens `mask` selects (as in
+        `agreement`; None: every token): below top-k when tokens were dropped (moe_expert_capacity_factor)."""
         out = torch.zeros(2, dtype=torch.float64)
-        for router in self.routers:
-            for routing_map in self.maps.get(router.layer_number, []):
-                out[0] += float(routing_map.sum())
-                out[1] += routing_map.shape[0] * router.topk
+        for router, _, _, routing_map, counted in self._recorded(mask, micro_batches, layouts):
+            out[0] += float(routing_map[counted.to(routing_map.device)].sum())
+            out[1] += float(counted.sum()) * router.topk
         return out
 
-    def load(self, num_layers: int, num_experts: int) -> torch.Tensor:
-        """[layers, experts] tokens routed to each expert over every recorded forward (rows of layers not on this
-        pipeline stage stay 0: summing over ranks fills them)."""
+    def load(self, num_layers: int, num_experts: int, mask: torch.Tensor | None = None, micro_batches: int = 1,
+             layouts: list | None = None) -> torch.Tensor:
+        """[layers, experts] tokens routed to each expert over the recorded forwards' tokens `mask` selects (as in
+        `agreement`; None: every token; padding and placeholder positions would otherwise count, and under R3 they
+        carry made-up experts). Rows of layers not on this pipeline stage stay 0: summing over ranks fills them."""
         out = torch.zeros(num_layers, num_experts, dtype=torch.float64)
-        for layer, maps in self.maps.items():
-            out[layer - 1] = torch.stack([m.sum(0) for m in maps]).sum(0).double()
+        for router, _, _, routing_map, counted in self._recorded(mask, micro_batches, layouts):
+            out[router.layer_number - 1] += routing_map[counted.to(routing_map.device)].sum(0).double().cpu()
         return out
 
 

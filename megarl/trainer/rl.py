@@ -479,17 +479,18 @@ class RLTrainer:
 
     def _routing_metrics(self, routing: RoutingStats, engine_routing: torch.Tensor, rb: RankBatch) -> dict:
         """MoE: how often the routing of the old-log-prob forward (the trainer's own, or the engine's under R3) picked
-        the engine's experts, over each sample's positions but its last (whose output is never trained); expert load
-        balance and dropped tokens. Summed over all ranks (each pipeline stage holds its own layers)."""
+        the engine's experts, expert load balance and dropped tokens, all over each sample's positions but its last
+        (whose output is never trained, and which the engine never routed): padding never counts. Summed over all
+        ranks (each pipeline stage holds its own layers)."""
         routing.close()
         positions = (torch.arange(rb.batch.input_ids.shape[1]) < rb.samples.seq_lens[:, None] - 1).float()
         positions = torch.cat([positions, positions.new_zeros(rb.batch.input_ids.shape[0] - len(positions),
                                                               positions.shape[1])])
         layouts = schedule_layouts(self.policy.model, rb.batch.split(rb.num_microbatches),
                                    self.cfg.algorithm.pack_sequences)  # the old-log-prob forward's token order
-        stats = torch.cat([routing.agreement(engine_routing, positions, rb.num_microbatches, layouts),
-                           routing.assignments()])
-        load = routing.load(self.bridge.config.num_layers, self.bridge.config.num_moe_experts)
+        counted = (positions, rb.num_microbatches, layouts)  # the samples' routed tokens, as the engine routed them
+        stats = torch.cat([routing.agreement(engine_routing, *counted), routing.assignments(*counted)])
+        load = routing.load(self.bridge.config.num_layers, self.bridge.config.num_moe_experts, *counted)
         dist.all_reduce(stats)
         dist.all_reduce(load)  # each stage fills its own layers' rows
         return {"moe/routing_agreement": float(stats[0] / stats[1].clamp(min=1)),
