@@ -175,5 +175,5 @@ class AlgorithmConfig:
 
 def _choice(name, value, choices) -> None:
     if value not in choices:
-        listed = sorted(str(c) for c in choices)
+        listed = sorted(str(c) for c in choices if c is not None)  # None is "unset", not a value to write
         raise AlgorithmConfigError(f"algorithm.{name}={value!r} is unknown; choose one of {listed}")
