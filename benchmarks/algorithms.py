@@ -336,11 +336,11 @@ def _free_port() -> int:
     return free_port()
 
 
-def _megarl(command: str, overrides: list[str], log: str) -> float:
-    """Run `megarl <command> configs/quickstart.yaml <overrides>` on one trainer rank; the wall seconds. A failure
-    raises with the end of its log."""
+def _megarl(command: str, overrides: list[str], log: str, config: str = CONFIG) -> float:
+    """Run `megarl <command> <config> <overrides>` (default configs/quickstart.yaml) on one trainer rank; the wall
+    seconds. A failure raises with the end of its log."""
     cmd = [sys.executable, "-m", "megarl.launch.torchrun", "--nproc_per_node", "1", "--master_port",
-           str(_free_port()), "-m", "megarl.cli", command, CONFIG, *overrides]
+           str(_free_port()), "-m", "megarl.cli", command, config, *overrides]
     os.makedirs(os.path.dirname(log), exist_ok=True)
     start = time.perf_counter()
     with open(log, "w") as f:

@@ -342,3 +342,61 @@ def rollout_worker_failure(model_path: str, failing: int) -> str:
         rollout.close()
         rewards.close()
     return "no error"
+
+
+def routing_with_engine(path, url, layout, seed):
+    """MoE routing against a real engine started with --enable-return-routed-experts: perturb the trainer (router and
+    its expert bias included), sync it into the engine, sample from the engine with its routing, then run the
+    trainer's old-log-prob forward on those tokens twice, as megarl's RL step does (megarl.models.moe.RoutingStats
+    and replay_routing through megarl.losses.compute_log_probs): with its own routing, and replaying the engine's
+    (R3). Returns both routing agreements with the engine (over each sample's routed positions) and the largest
+    |trainer - engine| log-prob difference of the sampled tokens each way."""
+    import torch.distributed as dist
+
+    from megarl.losses import compute_log_probs
+    from megarl.models import open_model_folder
+    from megarl.models.moe import RoutingStats
+    from megarl.reshard import TRANSPORTS, SyncConfig, TransportOptions, WeightSync
+    from megarl.rollout import EngineClient
+    from megarl.trainer.batching import Sample, token_batch
+
+    ps, bridge, chunks = build(path, moe_enable_routing_replay=True, **layout)
+    perturb(chunks, seed)
+    client = EngineClient(url)
+    sync = WeightSync(bridge, chunks, TRANSPORTS["tensor"](client, TransportOptions()),
+                      client if dist.get_rank() == 0 else None, SyncConfig(bucket_bytes=256 << 10))
+    try:
+        stats = sync.sync()
+    finally:
+        sync.close()
+    sampled = [None]
+    if dist.get_rank() == 0:
+        done = client.generate([[5, 6, 7], [30, 31, 32, 33, 34]], {"max_new_tokens": 8, "temperature": 1.0},
+                               return_routed_experts=True)
+        sampled = [[(c.prompt_ids, c.output_ids, c.output_log_probs, c.routed_experts.flatten().tolist())
+                    for c in done]]
+    dist.broadcast_object_list(sampled, src=0)
+    hf = open_model_folder(path).config
+    samples = [Sample(i, i, p, o, lp, "stop", routed_experts=r) for i, (p, o, lp, r) in enumerate(sampled[0])]
+    seq_len = max(len(p) + len(o) for p, o, _, _ in sampled[0])
+    batch = token_batch(samples, len(samples), seq_len, 0, (hf.num_hidden_layers, hf.num_experts_per_tok))
+    engine_routing = batch.routed_experts
+    lengths = torch.tensor([len(p) + len(o) for p, o, _, _ in sampled[0]])
+    positions = (torch.arange(seq_len) < lengths[:, None] - 1).float()  # what the engine routed: all but the last
+    engine_lp = torch.zeros_like(batch.loss_mask)
+    for i, (p, o, lp, _) in enumerate(sampled[0]):
+        engine_lp[i, len(p) - 1:len(p) - 1 + len(o)] = torch.tensor(lp)
+    result = {"stats": stats, "tokens": int(positions.sum())}
+    for name, replayed in (("own", None), ("replay", engine_routing)):
+        batch.routed_experts = replayed
+        routing = RoutingStats(chunks)
+        log_probs = compute_log_probs(chunks, batch, 1, bridge.vocab_size, pack=False)
+        routing.close()
+        agreement = routing.agreement(engine_routing, positions, 1)
+        dist.all_reduce(agreement)
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, None if log_probs is None else
+                               float(((log_probs - engine_lp) * batch.loss_mask).abs().max()))
+        result[name] = {"agreement": float(agreement[0] / agreement[1]),
+                        "logprob_max_diff": next(x for x in found if x is not None)}
+    return result

@@ -146,6 +146,24 @@ def test_verifier_times_meta_verifier_and_parse_errors_on_scripted_judgements():
     json.dumps(info)  # goes into the rollout dumps as is
 
 
+def test_judge_scale_and_end_of_turn():
+    """A number outside reward.judge.score_range is a malformed judgement (a parse error, scored by the rule), and
+    every judge request stops at the judge's chat end token as well as its EOS (a ChatML model whose EOS is not
+    <|im_end|> would otherwise write past its verdict: "Score: 1" then "2..." parses as 12)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir("qwen2"))
+    texts = ["Score: 12", "Score: 1", "Score: -0.5", "Score: 7"]
+    judge = Judge(JudgeModel(_stage(parse_error_score=0.0), ScriptedRouter(tok, texts[:3]), tok, VERIFIER_TEMPLATE))
+    verdicts = judge.score(["1+1="] * 3, ["2"] * 3, ["2"] * 3, [1, 2, 3])
+    assert [v.scores for v in verdicts] == [[None], [1.0], [None]] and [v.parse_errors for v in verdicts] == [1, 0, 1]
+    ten = ScriptedRouter(tok, texts[3:])
+    assert Judge(JudgeModel(_stage(score_range=[1, 10]), ten, tok, VERIFIER_TEMPLATE)).score(
+        ["1+1="], ["2"], ["2"], [4])[0].score == 7.0
+    stops = ten.requests[0][1]["stop_token_ids"]
+    assert tok.convert_tokens_to_ids("<|im_end|>") in stops and tok.eos_token_id in stops
+
+
 def test_self_verification_reward_is_deepseekmath_v2s_rule():
     """R = R_format * (alpha * s + beta * (1 - |s' - s|) * R_meta(Z)), the paper's alpha = 0.76, beta = 0.24."""
     assert self_verification_reward(1.0, 1.0) == pytest.approx(1.0)
@@ -274,6 +292,9 @@ JUDGE = ["reward.name=judge", "pools.judge.urls=[http://j:1]"]
     (JUDGE + ["reward.judge.self_verification.beta=-1"], "reward.judge.self_verification"),
     (JUDGE + ["reward.judge.self_verification.pattern=("], "reward.judge.self_verification.pattern"),
     (["reward.name=verifier_agreement", "reward.judge.meta_verifier.pool=meta"], "reward.judge.meta_verifier.pool"),
+    (JUDGE + ["reward.eval_name=judge"], "reward.eval_name"),
+    (JUDGE + ["reward.judge.score_range=[1, 0]"], "reward.judge.score_range"),
+    (JUDGE + ["reward.eval_name=exact_mtch"], "reward.eval_name"),
     (["reward.name=verifier_agreement", "pools.meta.urls=[http://m:1]", "reward.judge.meta_verifier.pool=meta",
       "reward.judge.meta_verifier.template=Judge {prompt}"], "reward.judge.meta_verifier.template"),
 ])
@@ -391,6 +412,52 @@ def test_rollout_judged_by_a_real_engine(tiny_qwen2_engine, tmp_path):
     assert all(q["max_new_tokens"] == 8 and q["temperature"] == 1.0 and n <= 8 for _, q, n in Recording.requests)
     metrics = rollout_metrics(samples)
     assert metrics["reward/judge_parse_errors"] == sum(_parse_errors(s.extra) for s in samples)
+
+
+def test_held_out_evaluation_of_a_judged_run_uses_the_eval_checker(tiny_qwen2_engine, tmp_path):
+    """reward.eval_name: held-out samples are scored by the checker (pass@1 is the exact checker's), the judge's score
+    of each is kept beside it, and the two agreement metrics are counted from those pairs."""
+    from megarl.data import ChatTokenizer, load_prompts
+    from megarl.rewards import RewardPool, resolve_reward
+    from megarl.rollout import EngineClient, EngineRouter
+    from megarl.trainer.rollout import Rollout
+
+    path, url = tiny_model_dir("qwen2"), tiny_qwen2_engine.url
+    cfg = _cfg(f"run_dir={tmp_path}", "rollout.max_new_tokens=6", "data.synthetic.num_eval=6",
+               "logging.progress=false", "reward.name=judge", "reward.eval_name=exact_match", "reward.workers=1",
+               f"pools.judge.urls=[{url}]", *JUDGE_SETTINGS[:1], *JUDGE_SETTINGS[2:])
+    tok = ChatTokenizer.from_pretrained(path)
+    records = load_prompts("synthetic", tok, cfg.data, "eval")
+    for r in records[::2]:  # half the answers replaced by what the policy answers: the checker then passes some
+        r.answer = None
+    rewards, checker = RewardPool(cfg.reward.name, 1), RewardPool("exact_match", 1)
+    rollout = Rollout(cfg, tok, EngineRouter([EngineClient(url)]), rewards,
+                      pools={"judge": EngineRouter([EngineClient(url)])}, eval_rewards=checker)
+    try:
+        first = rollout.generate(records[::2], 1, (0, "probe"), 0.0, 6)  # greedy: the eval's T=0 answers
+        for r, s in zip(records[::2], first):
+            r.answer = s.extra["final_text"]
+        samples, generate = [], rollout.generate
+        rollout.generate = lambda *a, **k: samples.extend(generate(*a, **k)) or samples  # keep what evaluate sees
+        metrics, _ = rollout.evaluate(records, 2, 0.0, "after")
+    finally:
+        rollout.close()
+        rewards.close()
+        checker.close()
+    exact = resolve_reward("exact_match")
+    by_index = {r.index: r for r in records}
+    truth = [exact(s.extra["final_text"], by_index[s.prompt_index].answer) for s in samples]
+    judged = []
+    for s in samples:  # the judge's score from the texts the sample keeps: n=2, parse errors score 0.25
+        values = [verdict_by_length(t) for t in s.extra["judge"]["texts"]]
+        judged.append(sum(0.25 if v is None else v for v in values) / len(values))
+    assert len(samples) == 2 * len(records) == 12
+    assert [s.reward for s in samples] == truth and 0 < sum(truth) < len(truth)
+    assert [s.extra["train_reward"] for s in samples] == pytest.approx(judged, abs=1e-9)
+    assert metrics["eval/pass_at_1"] == pytest.approx(100 * sum(truth) / len(truth))
+    assert metrics["eval/train_reward_pass_at_1"] == pytest.approx(100 * sum(j > 0.5 for j in judged) / len(judged))
+    assert metrics["eval/train_reward_false_pass"] == pytest.approx(
+        100 * sum(j > 0.5 and not t for j, t in zip(judged, truth)) / len(judged))
 
 
 def test_verifier_training_rollout_weighted_by_a_real_meta_verifier(tiny_qwen2_engine, tmp_path):

@@ -19,6 +19,18 @@ class SFTSample:
     loss_mask: list[int]  # 1 where input_ids[t] is an assistant token (trained as the target of position t - 1)
 
 
+def stop_token_ids(tok) -> list[int]:
+    """EOS and the chat template's end-of-turn token (where the HF tokenizer `tok` has one): where a chat model's turn
+    ends, which its EOS alone may not mark (a ChatML template ends turns with <|im_end|>)."""
+    ids = {tok.eos_token_id}
+    for token in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+        tid = tok.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid != tok.unk_token_id and tid is not None and tid >= 0:
+            ids.add(tid)
+    ids.discard(None)
+    return sorted(ids)
+
+
 class ChatTokenizer:
     def __init__(self, tokenizer):
         self.tok = tokenizer
@@ -75,14 +87,7 @@ class ChatTokenizer:
 
     @property
     def stop_ids(self) -> list[int]:
-        """EOS and the chat template's end-of-turn token (where the tokenizer has one)."""
-        ids = {self.tok.eos_token_id}
-        for token in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
-            tid = self.tok.convert_tokens_to_ids(token)
-            if isinstance(tid, int) and tid != self.tok.unk_token_id and tid is not None and tid >= 0:
-                ids.add(tid)
-        ids.discard(None)
-        return sorted(ids)
+        return stop_token_ids(self.tok)
 
     def sft_sample(self, messages: list[dict], tools=None) -> SFTSample:
         text = self.render(messages, tools=tools)

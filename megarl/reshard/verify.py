@@ -44,6 +44,8 @@ _FUSED = {  # engine name suffix -> HF name suffixes concatenated along dim 0
     # DeepSeek-V3 / GLM-4.5 shared experts (SGLang's models/glm4_moe.py: shared_experts = an MLP with gate_up_proj)
     "mlp.shared_experts.gate_up_proj.weight": ("mlp.shared_experts.gate_proj.weight",
                                                "mlp.shared_experts.up_proj.weight"),
+    # Qwen2-MoE's one shared expert (SGLang's models/qwen2_moe.py: shared_expert = a Qwen2MoeMLP with gate_up_proj)
+    "mlp.shared_expert.gate_up_proj.weight": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
     # DeepSeek-V3's multi-latent attention: the query and key/value down-projections read the same input, and SGLang
     # (models/deepseek_v2.py, DeepseekV2AttentionMLA with q_lora_rank) holds them as one replicated matrix
     "self_attn.fused_qkv_a_proj_with_mqa.weight": ("self_attn.q_a_proj.weight",

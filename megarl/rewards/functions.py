@@ -62,8 +62,9 @@ def math_reward(response: str, answer: str | None, **_) -> float:
     return float(verify(gold, pred))
 
 
-def resolve_reward(name: str) -> Callable:
-    """A registered reward, or "package.module:function" imported by dotted path."""
+def resolve_reward(name: str, field: str = "reward.name") -> Callable:
+    """A registered reward, or "package.module:function" imported by dotted path (`field`: the config key named in
+    the error)."""
     if name in REWARDS:
         return REWARDS[name]
     if ":" in name:
@@ -71,9 +72,9 @@ def resolve_reward(name: str) -> Callable:
         try:
             fn = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
-            raise ValueError(f"reward.name={name!r}: cannot import {attr!r} from {module!r} ({e})") from None
+            raise ValueError(f"{field}={name!r}: cannot import {attr!r} from {module!r} ({e})") from None
         if not callable(fn):
-            raise ValueError(f"reward.name={name!r} is not callable")
+            raise ValueError(f"{field}={name!r} is not callable")
         return fn
-    raise ValueError(f"reward.name={name!r} is unknown; choose one of {sorted(REWARDS)} or give "
+    raise ValueError(f"{field}={name!r} is unknown; choose one of {sorted(REWARDS)} or give "
                      "'package.module:function'")

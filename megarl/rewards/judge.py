@@ -37,6 +37,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
+from ..data.chat import stop_token_ids
 from ..errors import UserError
 from ..rollout.server import EngineError
 from .functions import register_reward
@@ -227,7 +228,15 @@ class JudgeModel:
         self.stage, self.router, self.tok, self.deterministic = stage, router, tokenizer, deterministic
         self.field = field  # the config section, for errors
         self.template = stage.template or default_template
-        self.parse = make_parser(stage.pattern, stage.parser)
+        self._number = make_parser(stage.pattern, stage.parser)
+        self.stop_ids = stop_token_ids(tokenizer)  # the judge's turn ends at its chat end token, not only at EOS
+
+    def parse(self, text: str) -> float | None:
+        """The judgement's score; a number outside the judge's scale (stage.score_range) is a malformed judgement
+        ("Score: 12" on a 0..1 scale), unparseable like text without a score."""
+        x = self._number(text)
+        low, high = self.stage.score_range
+        return x if x is not None and low <= x <= high else None
 
     def prompt_ids(self, **fields) -> list[int]:
         return chat_prompt_ids(self.tok, render(self.template, **fields), self.stage.system)
@@ -239,7 +248,8 @@ class JudgeModel:
         params = []
         for seed in seeds:
             for k in range(n):
-                p = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p}
+                p = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                     "stop_token_ids": self.stop_ids}
                 if seed is not None and self.deterministic:
                     p["sampling_seed"] = (seed * 1_000_003 + k) % (1 << 63)
                 params.append(p)

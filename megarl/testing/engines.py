@@ -8,9 +8,9 @@ from .models import tiny_model_dir
 
 
 @contextmanager
-def tiny_engine(family: str, log_dir: str, tp_size: int = 1, **model_overrides):
+def tiny_engine(family: str, log_dir: str, tp_size: int = 1, extra_args: tuple = (), **model_overrides):
     server = SGLangServer(ServerConfig(model_path=tiny_model_dir(family, **model_overrides), log_dir=log_dir,
-                                       tp_size=tp_size)).start()
+                                       tp_size=tp_size, extra_args=list(extra_args))).start()
     try:
         yield server
     finally:

@@ -187,6 +187,8 @@ class JudgeStage:
     # returning a number or None (unparseable)
     pattern: Optional[str] = None
     parser: Optional[str] = None
+    # the judge's scale: a parsed number outside [low, high] counts as unparseable (e.g. [1, 10] for a 1-10 rating)
+    score_range: list = field(default_factory=lambda: [0.0, 1.0])
     reduce: str = "mean"  # mean | majority (the most frequent score; ties: the lowest)
     # an unparseable judgement (counted in reward/judge_parse_errors): `score` counts it as parse_error_score, `skip`
     # leaves it out of the reduction (a response whose n judgements all fail scores parse_error_score)
@@ -232,6 +234,11 @@ class EnvConfig:
 @dataclass
 class RewardConfig:
     name: str = "math"  # math (math-verify) | exact_match | "package.module:function"
+    # the held-out evaluation's reward (a registered name or "package.module:function", without kwargs); None: `name`.
+    # Training on a generative or learned reward (judge), set a ground-truth checker here (e.g. exact_match): held-out
+    # pass@1 then measures the task rather than the judge's opinion, and eval/train_reward_pass_at_1 and
+    # eval/train_reward_false_pass (the training reward passes what this one fails: reward hacking) are logged too.
+    eval_name: Optional[str] = None
     workers: int = 2  # reward processes (off the training ranks' critical path)
     timeout_s: float = 10.0
     kwargs: dict = field(default_factory=dict)
@@ -436,6 +443,7 @@ class TrainConfig:
         self._validate_dpo()
         self._validate_teacher()
         self._validate_pools()
+        self._validate_eval_reward()
         if not 0.0 <= self.data.synthetic.sft_tool_share <= 1.0:
             raise ConfigError(f"data.synthetic.sft_tool_share={self.data.synthetic.sft_tool_share} must be in [0, 1]")
         if self.algorithm.temperature != self.rollout.temperature:
@@ -501,6 +509,21 @@ class TrainConfig:
             raise ConfigError(f"algorithm.opd_reward_weight={self.algorithm.opd_reward_weight} mixes in the task "
                               f"reward's GRPO advantage, which needs rollout.n_samples >= 2 (got "
                               f"{self.rollout.n_samples}). Fix: rollout.n_samples: 4, or opd_reward_weight: 0")
+
+    def _validate_eval_reward(self) -> None:
+        """reward.eval_name, the held-out checker: a reward the reward workers can run."""
+        if self.reward.eval_name is None:
+            return
+        if self.reward.eval_name == "judge":
+            raise ConfigError("reward.eval_name=judge: held-out evaluation takes a checker run by the reward workers; "
+                              "a judge is scored through its pool. Fix: e.g. reward.eval_name=exact_match, or leave "
+                              "it unset")
+        from ..rewards.functions import resolve_reward
+
+        try:
+            resolve_reward(self.reward.eval_name, "reward.eval_name")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def _validate_pools(self) -> None:
         """pools.<name> -> PoolConfig (unknown keys and wrong types named by their dotted field), each checked; the
@@ -608,6 +631,11 @@ def _validate_judge_stage(name: str, stage: JudgeStage, pools: dict, required: t
         raise ConfigError(f"{name}.template has no {' or '.join(missing)} placeholder: the judge would not see what "
                           f"it judges. Fix: put {' and '.join(missing)} into the template (or unset it: the default)")
     _check_score_parser(name, stage.pattern, stage.parser)
+    r = stage.score_range
+    if not (isinstance(r, (list, tuple)) and len(r) == 2 and all(isinstance(x, (int, float)) for x in r)
+            and r[0] < r[1]):
+        raise ConfigError(f"{name}.score_range={r!r} must be [low, high] with low < high. Fix: e.g. [0, 1] (the "
+                          "DeepSeekMath-V2 verifier's 0 / 0.5 / 1) or [1, 10] for a 1-10 rating")
 
 
 def _check_score_parser(name: str, pattern: Optional[str], parser: Optional[str] = None) -> None:

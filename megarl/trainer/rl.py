@@ -148,7 +148,7 @@ class RLTrainer:
                                for u in teacher_urls]) if teacher_urls else None
             # the other pools (a judge's): their own routers, also never in self.clients (no weight sync)
             self.rollout = Rollout(cfg, self.tok, self.router, self.rewards, tools=self._tools, teacher=teacher,
-                                   pools=self.pools.routers(pool_urls))
+                                   pools=self.pools.routers(pool_urls), eval_rewards=self.eval_rewards)
         e = cfg.rollout.engine
         self.syncs = []
         for i, client in enumerate(self.clients):
@@ -185,6 +185,9 @@ class RLTrainer:
             self.train_records = load_prompts(cfg.data.train, self.tok, cfg.data, "train", self._tools)
         self.stream = PromptStream(self.train_records, cfg.seed, cfg.data.shuffle)
         self.rewards = RewardPool(cfg.reward.name, cfg.reward.workers, cfg.reward.timeout_s, cfg.reward.kwargs)
+        # held-out evaluation (rank 0) with its own checker (reward.eval_name)
+        self.eval_rewards = RewardPool(cfg.reward.eval_name, 1, cfg.reward.timeout_s) \
+            if self.rank == 0 and cfg.reward.eval_name not in (None, cfg.reward.name) else None
 
     def _start_rank0(self) -> list:
         cfg, urls = self.cfg, list(self.cfg.rollout.engine.urls)
@@ -675,6 +678,8 @@ class RLTrainer:
         if self.rank in self.worker_ranks:
             self.rollout.close()
             self.rewards.close()
+            if self.eval_rewards is not None:
+                self.eval_rewards.close()
             if self.log is not None:
                 self.log.close()
         for server in self.servers + [self.teacher_server]:

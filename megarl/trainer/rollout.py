@@ -88,8 +88,10 @@ class Workers:
 
 
 class Rollout:
-    def __init__(self, cfg, tokenizer, router, rewards, tools=None, teacher=None, pools=None):
+    def __init__(self, cfg, tokenizer, router, rewards, tools=None, teacher=None, pools=None, eval_rewards=None):
         self.cfg, self.tok, self.router, self.rewards, self.tools = cfg, tokenizer, router, rewards, tools
+        # reward.eval_name: the held-out evaluation's checker (a RewardPool); None: the training reward scores it too
+        self.eval_rewards = eval_rewards
         self.teacher = teacher  # opd: megarl.rollout.teacher.Teacher, asked for each sample's response log-probs
         # reward.name: judge: a generative reward, its models reached through the pools' routers ({name: EngineRouter},
         # megarl.rollout.pools), asked in each chunk's thread as the chunk returns
@@ -145,12 +147,15 @@ class Rollout:
                             env.max_response_tokens, tools=self.tools, threads=self._env_threads)
 
     def generate(self, records: list[PromptRecord], n: int, seed_parts: tuple, temperature: float,
-                 max_new_tokens: int, greedy_baseline: bool = False, teacher: bool = False) -> list[Sample]:
+                 max_new_tokens: int, greedy_baseline: bool = False, teacher: bool = False,
+                 check: bool = False) -> list[Sample]:
         """n samples per record, rewarded; sample order = record order, then sample index. teacher (opd): each chunk's
         responses are sent to the teacher engine (one prefill request) as soon as the chunk returns, in the chunk's
         thread, while later chunks still generate and the reward pool scores; greedy_baseline (ReMax):
         also one temperature-0 rollout per record, requested alongside the samples, scored by the same reward and
-        shaping, and not returned (never trained): its score becomes the `baseline` of the record's samples."""
+        shaping, and not returned (never trained): its score becomes the `baseline` of the record's samples. check
+        (held-out evaluation with reward.eval_name): the reward is the eval checker's, the training reward's score is
+        kept in extra["train_reward"]."""
         requests = [(g, r, j) for g, r in enumerate(records) for j in range(n)]
         chunk = self.cfg.rollout.request_size * n
         pieces = [(requests[i:i + chunk], temperature) for i in range(0, len(requests), chunk)]
@@ -179,10 +184,11 @@ class Rollout:
                 for e, info in zip(episodes, infos):
                     e.info.update(info)
                 scored = weighted(scored, [info["meta_verifier"]["quality"] for info in infos])
+            checked = self.eval_rewards.submit(texts) if check and self.eval_rewards is not None else None
             taught = self.teacher.response_log_probs([e.prompt_ids for e in episodes],
                                                      [e.response_ids for e in episodes]) \
                 if teacher and temp > 0 else [None] * len(episodes)  # never for the untrained greedy rollouts
-            return episodes, (scored, taught)
+            return episodes, (scored, checked, taught)
 
         samples, baselines = [], []
         results = self._threads.map(run, pieces)
@@ -194,8 +200,12 @@ class Rollout:
         prompts: dict[int, np.ndarray] = {}
         # Each chunk's token ids and log-probs become arrays as it returns, while later chunks still generate: the
         # step's data is then packed by concatenation (megarl.trainer.batching.PackedRollout), not from lists.
-        for (piece, _), (episodes, (scored, taught)) in zip(pieces, results):
+        for (piece, _), (episodes, (scored, checked, taught)) in zip(pieces, results):
             rewards = self.rewards.result(scored, len(piece))
+            if checked is not None:  # the checker's score is the reward; the training reward's is kept beside it
+                for e, trained_on in zip(episodes, rewards):
+                    e.info["train_reward"] = trained_on + e.env_reward
+                rewards = self.eval_rewards.result(checked, len(piece))
             for (g, r, j), e, reward, teacher_lp in zip(piece, episodes, rewards, taught):
                 reward += e.env_reward
                 if r.index not in prompts:  # one array per prompt, shared by its samples
@@ -277,7 +287,7 @@ class Rollout:
         (unbiased estimator, %), maj@n (majority vote over normalised final answers, %), response and tool-use
         statistics; and the full pass@k curve {k: fraction}."""
         samples = self.generate(records, n, (self.cfg.seed, "eval", tag), temperature,
-                                self.cfg.rollout.max_new_tokens)
+                                self.cfg.rollout.max_new_tokens, check=True)
         groups = [samples[g * n:(g + 1) * n] for g in range(len(records))]
         correct = [[s.reward > 0.5 for s in group] for group in groups]
         curve = pass_at_k_curve(correct)
@@ -287,6 +297,11 @@ class Rollout:
                         "eval/samples_per_prompt": n})
         metrics.update({"eval/" + k.replace("/", "_"): v for k, v in rollout_metrics(samples).items()
                         if k.startswith(("reward/mean", "response_len/mean", "tool/", "rollout/turns"))})
+        if self.eval_rewards is not None:  # pass@1 is the checker's; how often the training reward agrees with it
+            trained_on = [s.extra["train_reward"] > 0.5 for s in samples]
+            metrics["eval/train_reward_pass_at_1"] = 100.0 * float(np.mean(trained_on))
+            metrics["eval/train_reward_false_pass"] = 100.0 * float(np.mean(
+                [t and not s.reward > 0.5 for t, s in zip(trained_on, samples)]))
         return metrics, curve
 
     def close(self) -> None:

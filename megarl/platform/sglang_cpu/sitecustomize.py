@@ -2,7 +2,8 @@
 PYTHONPATH). Each patch is applied when SGLang imports the module it patches.
 
 1. Per-request seeded sampling (only when MEGARL_SGLANG_SEEDED_SAMPLING=1). 2. Routed-experts capture on CPU.
-3. Multi-latent attention (DeepSeek-V3) prefill on the torch_native backend. (2 and 3: see their functions.)
+3. Multi-latent attention (DeepSeek-V3) prefill on the torch_native backend. 4. Qwen2-MoE's gated shared expert without
+Triton. (2 to 4: see their functions.)
 
 Why: an RL run that is killed and resumed must draw the same rollouts as an uninterrupted one, so megarl gives every
 request a `sampling_seed`. SGLang 0.5.23 honours per-request seeds only under --enable-deterministic-inference
@@ -76,8 +77,27 @@ def _patch_mla_on_torch_native(module) -> None:
     module.AttentionBackendRegistry.register("torch_native", module._dispatch_mla_subtype)
 
 
+def _patch_qwen2_moe_shared_expert_gate(module) -> None:
+    """4. Qwen2-MoE's gated shared expert on CPU without AMX.
+
+    Why: SGLang 0.5.23's Qwen2MoeSparseMoeBlock.forward (sglang/srt/models/qwen2_moe.py:821) adds the shared expert's
+    output through `fused_gate_sigmoid_mul_add`, a Triton kernel (sglang/kernels/ops/elementwise/elementwise.py:159),
+    whenever the gate is not on Intel's AMX backend; on a CPU without AMX Triton has no driver and the server dies in
+    its first forward ("0 active drivers"). What: the module's name is bound to the same computation in torch,
+    output += sigmoid(hidden_states . gate_weight) * shared_output per token, in float32 as the kernel computes it.
+    """
+    import torch
+
+    def fused_gate_sigmoid_mul_add(hidden_states, gate_weight, shared_output, final_hidden_states) -> None:
+        gate = torch.sigmoid(hidden_states.float() @ gate_weight.float())[:, None]
+        final_hidden_states.copy_(final_hidden_states.float() + gate * shared_output.float())
+
+    module.fused_gate_sigmoid_mul_add = fused_gate_sigmoid_mul_add
+
+
 _PATCHES = {"sglang.srt.state_capturer.base": _patch_routed_experts_host_cache,
-            "sglang.srt.models.deepseek_common.attention_backend_handler": _patch_mla_on_torch_native}
+            "sglang.srt.models.deepseek_common.attention_backend_handler": _patch_mla_on_torch_native,
+            "sglang.srt.models.qwen2_moe": _patch_qwen2_moe_shared_expert_gate}
 if os.environ.get("MEGARL_SGLANG_SEEDED_SAMPLING") == "1":
     _PATCHES["sglang.srt.sampling.sampling_batch_info"] = _patch_seeded_sampling
 
