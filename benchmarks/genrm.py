@@ -22,8 +22,9 @@ Stages, in <work> (default runs/bench-genrm/seed<S>), each skipped when its resu
    the exact checker (reward.eval_name=exact_match), and eval/train_reward_false_pass counts the held-out samples the
    verifier passes that the checker fails (reward hacking would show as that share rising).
 6. meta-verifier: the same recipe as the verifier, on meta-verification requests "37+58=94|94 vs 94 Score: 1" (the
-   request, then an analysis of it): half faithful analyses (quality 1), half the verifier's slips (quality 0: it took
-   the solution's answer for its own sum, or its score contradicts its sum). It writes its own sum, then the quality.
+   request, then an analysis of it): half faithful analyses (quality 1), half the verifier's slip (quality 0: a wrong
+   number taken for its own sum, e.g. the solution's wrong answer, which passes a wrong solution). It writes its own
+   sum, the analysis's sum, then the quality ("95 vs 94 Score: 0").
 7. judge-meta: the judge run with reward = verifier score x the meta-verifier's quality of that analysis
    (reward.judge.meta_verifier, DeepSeekMath-V2's multiplicative rule): does it pass fewer wrong answers?
 8. opd: the student starts from the same SFT checkpoint; advantage_estimator=opd with the `exact` run's final policy
@@ -96,28 +97,24 @@ def verifier_analysis(row: dict) -> str:
 
 def meta_rows(requests: list[dict], seed: int) -> list[dict]:
     """Meta-verification requests from verification requests: the request, then an analysis of it, labelled 1 when
-    the analysis is faithful (the true sum, the score that follows from it) and 0 when not: half faithful, half
-    either the verifier's copying slip (it takes the solution's answer for its own sum, so it passes a wrong
-    solution or fails a right one) or a score that contradicts its own sum. {"prompt": "37+58=94|94 vs 94 Score: 1",
-    "answer": "0", "sum": "95"}."""
+    the analysis is faithful (its sum is the true sum, its score follows from it) and 0 when it makes the verifier's
+    slip: it takes a wrong number for its own sum (the solution's answer when that is wrong, which passes a wrong
+    solution; another number when the solution is right, which fails it). Half each. {"prompt":
+    "37+58=94|94 vs 94 Score: 1", "answer": "0", "sum": "95", "claimed": "94"}."""
     rng = random.Random(seed)
     rows = []
     for r in requests:
         right, shown, label = int(r["sum"]), int(r["shown"]), int(r["answer"])
-        if rng.random() < 0.5:
-            analysis, quality = verifier_analysis(r), 1
-        elif rng.random() < 0.6:  # a wrong sum that agrees with the solution when it is wrong, or not when right
-            own = shown if not label else wrong_answer(right, rng)
-            analysis, quality = f"{own} vs {shown} Score: {int(own == shown)}", 0
-        else:
-            analysis, quality = f"{right} vs {shown} Score: {1 - label}", 0
-        rows.append({"prompt": f"{r['prompt']}|{analysis}", "answer": str(quality), "sum": r["sum"]})
+        own = right if rng.random() < 0.5 else (shown if not label else wrong_answer(right, rng))
+        analysis = f"{own} vs {shown} Score: {int(own == shown)}"
+        rows.append({"prompt": f"{r['prompt']}|{analysis}", "answer": str(int(own == right)), "sum": r["sum"],
+                     "claimed": str(own)})
     return rows
 
 
 def meta_analysis(row: dict) -> str:
-    """The meta-verifier's demonstration: its own sum, then the analysis's quality."""
-    return f"{row['sum']} Score: {row['answer']}"
+    """The meta-verifier's demonstration: its own sum, the analysis's sum beside it, then the quality."""
+    return f"{row['sum']} vs {row['claimed']} Score: {row['answer']}"
 
 
 def write_judge_data(folder: str, rows: dict[str, list[dict]], demo) -> dict[str, str]:
@@ -268,8 +265,9 @@ def steps_to(curve: dict[int, dict], target: float) -> int | None:
 def report(results: dict) -> str:
     r = results
     lines = ["| measure | value |", "|---|---|",
-             f"| verifier held-out accuracy (greedy, {r['verifier_requests']} requests, half wrong): after SFT -> "
-             f"after RL | {r['verifier']['sft_accuracy']:.1f}% -> **{r['verifier_accuracy']:.1f}%** |",
+             f"| verifier held-out accuracy (greedy, {r['verifier_requests']} requests, half wrong)"
+             + (f": after SFT -> after {r['verifier']['rl_steps']} RL steps | {r['verifier']['sft_accuracy']:.1f}% -> "
+                if r["verifier"]["rl_steps"] else " | ") + f"**{r['verifier_accuracy']:.1f}%** |",
              f"| generator, exact reward: held-out pass@1 before -> after | {r['exact']['before']:.1f} -> "
              f"{r['exact']['after']:.1f} (**{r['generator_gain_exact']:+.1f}**) |",
              f"| generator, verifier's score as reward: before -> after (exact checker) | {r['judge']['before']:.1f} -> "

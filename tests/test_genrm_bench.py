@@ -53,8 +53,8 @@ def test_verifier_data_is_labelled_by_the_exact_sum(genrm, tmp_path):
         assert user["content"] == request["prompt"]
         a, b = map(int, user["content"].split("=")[0].split("+"))
         assert assistant["content"] == f"{a + b} vs {user['content'].split('=')[1]} Score: {request['answer']}"
-    # the meta-verifier's: an analysis is faithful (label 1) exactly when its sum is the true sum and its score
-    # follows from comparing that sum with the solution's answer
+    # the meta-verifier's: an analysis (whose score always follows from its own sum) is faithful (label 1) exactly
+    # when its sum is the true sum
     for name in ("train", "heldout"):
         labels = []
         for r in meta[name]:
@@ -62,13 +62,14 @@ def test_verifier_data_is_labelled_by_the_exact_sum(genrm, tmp_path):
             problem, shown = request.split("=")
             a, b = map(int, problem.split("+"))
             own, _, answer, _, score = analysis.split()
-            assert answer == shown
-            assert r["answer"] == str(int(int(own) == a + b and score == str(int(int(own) == int(shown)))))
+            assert answer == shown and score == str(int(own == shown))
+            assert r["answer"] == str(int(int(own) == a + b))
             labels.append(int(r["answer"]))
         assert 0.4 < sum(labels) / len(labels) < 0.6
     for demo, request in zip(meta["sft"], meta["train"]):
         a, b = map(int, request["prompt"].split("=")[0].split("+"))
-        assert demo["messages"][1]["content"] == f"{a + b} Score: {request['answer']}"
+        own = request["prompt"].split("|")[1].split()[0]
+        assert demo["messages"][1]["content"] == f"{a + b} vs {own} Score: {request['answer']}"
 
 
 def test_steps_to_the_target(genrm):
