@@ -141,8 +141,10 @@ def test_rl_run_trains_the_engine_tokens(uninterrupted):
 
 def test_synchronous_run_equals_the_code_before_async_rl(uninterrupted):
     """rl.max_staleness: 0 (the default) is the synchronous step as it was before asynchronous RL existed: the same
-    config run by that code (commit abb3427) sampled the same tokens from the same prompts and logged the same
-    per-step metrics, bit for bit (tests/golden/rl_k0_pre_async.json)."""
+    config run by that code (commit abb3427) sampled the same tokens from the same prompts, bit for bit, and logged the
+    same per-step metrics to float rounding (tests/golden/rl_k0_pre_async.json). Metrics are compared to 1e-5 relative:
+    a CI machine whose CPU sampled every token identically still reduced the training log-probs in another order
+    (grad_norm 0.16914969266 vs the golden's 0.16914968739); a changed algorithm moves them by far more."""
     golden = json.load(open(os.path.join(ROOT, "tests", "golden", "rl_k0_pre_async.json")))
     samples = {str(s): [[d["prompt_ids"], d["response_ids"]] for d in dumped_samples(uninterrupted, s)]
                for s in range(1, 5)}
@@ -157,7 +159,9 @@ def test_synchronous_run_equals_the_code_before_async_rl(uninterrupted):
     metrics = _metrics(uninterrupted)
     for step, expected in golden["metrics"].items():
         got = _deterministic(metrics[int(step)])
-        assert {k: got.get(k) for k in expected} == expected, step
+        assert got.keys() >= expected.keys(), (step, sorted(expected.keys() - got.keys()))
+        for key, value in expected.items():
+            assert abs(got[key] - value) <= 1e-5 * abs(value) + 1e-6, (step, key, got[key], value)
 
 
 def test_resume_after_sigkill_reproduces_the_metrics(uninterrupted, tmp_path):
