@@ -250,10 +250,12 @@ def judge_overrides(verifier: str, meta: str | None = None) -> list[str]:
     return out
 
 
-def opd_overrides(teacher: str) -> list[str]:
-    """The OPD run: reverse-KL advantages to the teacher only; every group trains (no dynamic sampling)."""
-    return ["algorithm.advantage_estimator=opd", f"teacher.model={teacher}", "rollout.dynamic_sampling=false",
-            "reward.name=exact_match", "checkpoint.export_hf=false"]
+def opd_overrides(teacher: str, top_k: int = 0) -> list[str]:
+    """The OPD run: distillation to the teacher only (top_k 0: the sampled token's reverse-KL advantage; k > 0: the
+    exact reverse KL over the teacher's top-k at every position, algorithm.opd_top_k); every group trains (no
+    dynamic sampling)."""
+    return ["algorithm.advantage_estimator=opd", f"algorithm.opd_top_k={top_k}", f"teacher.model={teacher}",
+            "rollout.dynamic_sampling=false", "reward.name=exact_match", "checkpoint.export_hf=false"]
 
 
 def steps_to(curve: dict[int, dict], target: float) -> int | None:
@@ -281,8 +283,12 @@ def report(results: dict) -> str:
                f"{r[k]['false_pass_first']:.1f}% -> {r[k]['false_pass_last']:.1f}% ({r[k]['false_pass_mean']:.1f}%) |"
                for k, label in (("judge", "verifier"), ("judge_meta", "verifier x meta-verifier"))],
              f"| teacher (the exact run's final policy) held-out pass@1 | {r['teacher_pass_at_1']:.1f} |",
-             f"| OPD student held-out pass@1 (final) | {r['opd_student_pass_at_1']:.1f} |",
-             f"| steps to within {WITHIN:g} points of the teacher: OPD / GRPO | {r['opd_steps']} / {r['grpo_steps']} |"]
+             f"| OPD student (top-{r['settings']['opd_top_k']} reverse KL) held-out pass@1 (final) | "
+             f"{r['opd_student_pass_at_1']:.1f} |",
+             f"| OPD student (sampled-token reverse-KL advantage) held-out pass@1 (final) | "
+             f"{r['opd_sampled_student_pass_at_1']:.1f} |",
+             f"| steps to within {WITHIN:g} points of the teacher: OPD top-k / OPD sampled / GRPO | {r['opd_steps']} / "
+             f"{r['opd_sampled_steps']} / {r['grpo_steps']} |"]
     return "\n".join(lines)
 
 
@@ -296,7 +302,8 @@ def plot(results: dict, path: str) -> str:
     try:
         for name, label, style in (("exact", "GRPO, exact reward", "-o"), ("judge", "GRPO, verifier's score", "-s"),
                                    ("judge_meta", "GRPO, verifier x meta-verifier", "-d"),
-                                   ("opd", "OPD from the teacher", "-^")):
+                                   ("opd", f"OPD, top-{results['settings']['opd_top_k']} reverse KL", "-^"),
+                                   ("opd_sampled", "OPD, sampled-token advantage", "-v")):
             curve = {int(k): v for k, v in results[name]["curve"].items()}
             steps = sorted(curve)
             ax.plot(steps, [curve[s]["eval/pass_at_1"] for s in steps], style, markersize=3, label=label)
@@ -321,6 +328,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None, help="RL steps of each generator run (default: the quickstart's)")
     p.add_argument("--opd-steps", type=int, default=None, help="OPD steps (default: --steps)")
+    p.add_argument("--opd-top-k", type=int, default=8,
+                   help="the top-k OPD run's algorithm.opd_top_k (default 8; the sampled-token OPD run is beside it)")
+    p.add_argument("--opd-top-k-kl", default="reverse", choices=["reverse", "forward"],
+                   help="the top-k OPD run's algorithm.opd_top_k_kl (default reverse)")
+    p.add_argument("--opd-lr", type=float, default=None,
+                   help="the top-k OPD run's optim.lr (default: the quickstart's RL lr, as every other run)")
     p.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every N RL steps (default 10)")
     p.add_argument("--verifier-sft-steps", type=int, default=2000, help="the verifier's SFT steps (default 2000)")
     p.add_argument("--verifier-rl-steps", type=int, default=0,
@@ -356,7 +369,11 @@ def main(argv=None) -> int:
         meta_hf, meta = train_judge(work, args.seed, "meta", meta_data, args.verifier_sft_steps)
         judge_meta = rl_run("judge-meta", work, args.seed, steps, args.eval_every,
                             judge_overrides(verifier_hf, meta_hf))
-        opd = rl_run("opd", work, args.seed, opd_steps, args.eval_every, opd_overrides(exact["hf"]))
+        opd_sampled = rl_run("opd", work, args.seed, opd_steps, args.eval_every, opd_overrides(exact["hf"]))
+        opd = rl_run(f"opd-top{args.opd_top_k}" + ("-forward" if args.opd_top_k_kl == "forward" else "") +
+                     (f"-lr{args.opd_lr:g}" if args.opd_lr else ""), work, args.seed, opd_steps, args.eval_every,
+                     opd_overrides(exact["hf"], args.opd_top_k) + [f"algorithm.opd_top_k_kl={args.opd_top_k_kl}"] +
+                     ([f"optim.lr={args.opd_lr}"] if args.opd_lr else []))
         teacher = exact["summary"]["pass_at_1_after"]
         results = {
             "verifier_accuracy": verifier["accuracy"],
@@ -368,13 +385,17 @@ def main(argv=None) -> int:
             "opd_student_pass_at_1": opd["summary"]["pass_at_1_after"],
             "teacher_pass_at_1": teacher,
             "opd_steps": steps_to(opd["curve"], teacher - WITHIN),
+            "opd_sampled_student_pass_at_1": opd_sampled["summary"]["pass_at_1_after"],
+            "opd_sampled_steps": steps_to(opd_sampled["curve"], teacher - WITHIN),
             "grpo_steps": steps_to(exact["curve"], teacher - WITHIN),
             "settings": {"seed": args.seed, "rl_steps": steps, "opd_rl_steps": opd_steps, "eval_every": args.eval_every,
                          "verifier_sft_steps": args.verifier_sft_steps,
                          "verifier_rl_steps": args.verifier_rl_steps, "within_points": WITHIN,
-                         "judge_template": JUDGE_TEMPLATE},
+                         "judge_template": JUDGE_TEMPLATE, "opd_top_k": args.opd_top_k,
+                         "opd_top_k_kl": args.opd_top_k_kl, "opd_lr": args.opd_lr},
         }
-        for name, run in (("exact", exact), ("judge", judge), ("judge_meta", judge_meta), ("opd", opd)):
+        for name, run in (("exact", exact), ("judge", judge), ("judge_meta", judge_meta), ("opd", opd),
+                          ("opd_sampled", opd_sampled)):
             curve = run["curve"]
             results[name] = {"before": run["summary"]["pass_at_1_before"], "after": run["summary"]["pass_at_1_after"],
                              "wall_s": run["summary"].get("bench_wall_s"),

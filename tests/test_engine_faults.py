@@ -13,15 +13,15 @@ from megarl.testing.engines import tiny_engine
 
 
 class _Recording(EngineClient):
-    """An engine client that records the sequences each prompt_log_probs call sends."""
+    """An engine client that records the sequences each prefill call sends."""
 
     def __init__(self, url):
         super().__init__(url)
         self.sent = []
 
-    def prompt_log_probs(self, sequences):
+    def prefill(self, sequences, top_k=0):
         self.sent.append([list(s) for s in sequences])
-        return super().prompt_log_probs(sequences)
+        return super().prefill(sequences, top_k)
 
 
 def test_router_splits_and_keeps_order(tiny_qwen2_engine):

@@ -144,7 +144,8 @@ def test_synchronous_run_equals_the_code_before_async_rl(uninterrupted):
     config run by that code (commit abb3427) sampled the same tokens from the same prompts, bit for bit, and logged the
     same per-step metrics to float rounding (tests/golden/rl_k0_pre_async.json). Metrics are compared to 1e-5 relative:
     a CI machine whose CPU sampled every token identically still reduced the training log-probs in another order
-    (grad_norm 0.16914969266 vs the golden's 0.16914968739); a changed algorithm moves them by far more."""
+    (grad_norm 0.16914969266 vs the golden's 0.16914968739); a changed algorithm moves them by far more. Fractions
+    of tokens past a threshold may differ by one token."""
     golden = json.load(open(os.path.join(ROOT, "tests", "golden", "rl_k0_pre_async.json")))
     samples = {str(s): [[d["prompt_ids"], d["response_ids"]] for d in dumped_samples(uninterrupted, s)]
                for s in range(1, 5)}
@@ -160,8 +161,14 @@ def test_synchronous_run_equals_the_code_before_async_rl(uninterrupted):
     for step, expected in golden["metrics"].items():
         got = _deterministic(metrics[int(step)])
         assert got.keys() >= expected.keys(), (step, sorted(expected.keys() - got.keys()))
+        # a fraction of the step's response tokens (clip_frac, vf_clip_frac) counts values against a threshold: one
+        # that sits at the boundary to rounding may fall on the other side (measured: vf_clip_frac 2/96 vs 1/96)
+        one_token = 1 / max(round(expected.get("response_len/mean", 0) * expected.get("rollout/samples", 0)), 1)
         for key, value in expected.items():
-            assert abs(got[key] - value) <= 1e-5 * abs(value) + 1e-6, (step, key, got[key], value)
+            if key == "dispatch/bytes_received":  # the wire format, not the step: its header grew a field (top_k)
+                continue
+            slack = one_token if key.endswith("frac") else 1e-5 * abs(value) + 1e-6
+            assert abs(got[key] - value) <= slack + 1e-9, (step, key, got[key], value)
 
 
 def test_resume_after_sigkill_reproduces_the_metrics(uninterrupted, tmp_path):

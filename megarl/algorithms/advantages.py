@@ -269,19 +269,21 @@ def remax(*, scores: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor | 
 @register_advantage("opd")
 def opd(*, teacher_log_probs: torch.Tensor, student_log_probs: torch.Tensor, mask: torch.Tensor,
         scores: torch.Tensor | None = None, group_ids: torch.Tensor | None = None, opd_reward_weight: float = 0.0,
-        eps: float = 1e-6, std_normalize: bool = True, **_):
+        opd_top_k: int = 0, eps: float = 1e-6, std_normalize: bool = True, **_):
     """On-policy distillation (Thinking Machines' "On-Policy Distillation"; slime / verl's OPD): the per-token
     reverse-KL advantage A_t = log pi_teacher(y_t | y_<t) - log pi_student(y_t | y_<t) of each token the student
     sampled, so the policy gradient minimises the sampled reverse KL(student || teacher) token by token (no discount,
     no baseline). student_log_probs are the policy's old log-probs (the trainer's recompute pass; the engine's rollout
     log-probs with rollout.old_log_probs=rollout): the policy the tokens were sampled from, which the ratio's anchor
     also is. opd_reward_weight w > 0 adds w x the task reward's GRPO advantage (group-normalised score, the same for
-    every token of a sample). Returns (advantages, the per-token teacher - student log-ratio)."""
+    every token of a sample). opd_top_k > 0: the distillation is the loss's exact top-k reverse KL
+    (megarl.algorithms.kl.topk_reverse_kl), not an advantage: only the task reward's share remains here. Returns
+    (advantages, the per-token teacher - student log-ratio)."""
     if teacher_log_probs is None or teacher_log_probs.shape != mask.shape:
         raise ValueError("opd needs `teacher_log_probs` [b, s] (the teacher's log-probs of the sampled tokens), "
                          "shaped like mask: set the teacher: section")
     log_ratio = (teacher_log_probs - student_log_probs) * mask
-    advantages = log_ratio
+    advantages = torch.zeros_like(log_ratio) if opd_top_k else log_ratio
     if opd_reward_weight:
         advantages = advantages + opd_reward_weight * grpo(scores=scores, group_ids=group_ids, mask=mask, eps=eps,
                                                            std_normalize=std_normalize)[0]

@@ -7,7 +7,7 @@ from typing import Optional
 from ..errors import UserError
 from .advantages import ADVANTAGE_ESTIMATORS, STD_NORMALIZED
 from .aggregation import AGGREGATIONS
-from .kl import KL_ESTIMATORS
+from .kl import KL_ESTIMATORS, TOP_K_KL
 from .mismatch import MISMATCH_MODES
 from .policy_losses import POLICY_LOSSES
 
@@ -67,6 +67,13 @@ class AlgorithmConfig:
     # opd (on-policy distillation from the teacher: section): A_t = teacher log-prob - student log-prob per token,
     # plus opd_reward_weight x the task reward's GRPO advantage (0: pure distillation; > 0 needs rollout.n_samples >= 2)
     opd_reward_weight: float = 0.0
+    # opd_top_k k > 0: instead of the sampled token's log-ratio, the loss adds the exact KL between student and teacher
+    # at every response position over k + 1 outcomes: the teacher's top-k tokens there and one bucket for the rest of
+    # the vocabulary (megarl.algorithms.kl.topk_kl; opd_top_k_kl picks the direction). No sampling noise in the distillation signal; the
+    # teacher returns its top-k per position in the same prefill request. The advantage is then only the task
+    # reward's share (opd_reward_weight). Costs k more log-prob passes over the vocabulary in the loss.
+    opd_top_k: int = 0
+    opd_top_k_kl: str = "reverse"  # with opd_top_k: "reverse" KL(student || teacher) or "forward" KL(teacher || student)
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     # Log-probs and entropy straight from the final hidden states and the output weight, chunked over tokens: the
     # [tokens, vocab/tp] logits and their gradient never exist (megarl/losses/fused_linear.py). Same values and
@@ -149,6 +156,12 @@ class AlgorithmConfig:
             raise AlgorithmConfigError(f"algorithm.opd_reward_weight={self.opd_reward_weight} must be >= 0 and is only "
                                        "used by advantage_estimator=opd. Fix: opd_reward_weight: 0 (or e.g. 0.5 with "
                                        "opd).")
+        if self.opd_top_k < 0 or (self.opd_top_k and self.advantage_estimator != "opd"):
+            raise AlgorithmConfigError(f"algorithm.opd_top_k={self.opd_top_k} must be >= 0 and is only used by "
+                                       "advantage_estimator=opd. Fix: opd_top_k: 0 (or e.g. 8 with opd).")
+        if self.opd_top_k_kl not in TOP_K_KL:
+            raise AlgorithmConfigError(f"algorithm.opd_top_k_kl={self.opd_top_k_kl!r} is unknown; choose one of "
+                                       f"{list(TOP_K_KL)}")
         self._validate_token_selection()
         return self
 

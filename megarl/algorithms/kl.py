@@ -45,3 +45,47 @@ def kl_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str = 
         return _estimate(log_ratio, kind)
     k2 = 0.5 * log_ratio ** 2
     return k2 - k2.detach() + _estimate(log_ratio, kind[:-1]).detach()
+
+
+TOP_K_REST_FLOOR = 1e-8  # the "rest of the vocabulary" probability is floored: rounding can push 1 - sum(top-k) to <= 0
+
+
+def _coarsened(top_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the k probabilities, the rest's probability 1 - their sum, floored) from [..., k] log-probs."""
+    p = top_log_probs.float().exp()
+    return p, (1 - p.sum(-1)).clamp(min=TOP_K_REST_FLOOR)
+
+
+TOP_K_KL = ("reverse", "forward")
+
+
+def topk_kl(student_top_log_probs: torch.Tensor, teacher_top_log_probs: torch.Tensor,
+            direction: str = "reverse") -> torch.Tensor:
+    """The student-teacher KL at each position over the teacher's top-k + the rest (see topk_reverse_kl).
+    direction "reverse": KL(student || teacher), mode seeking, OPD's; "forward": KL(teacher || student) =
+    sum_j q_j (log q_j - log p_j) + q_rest (log q_rest - log p_rest), the soft-label cross-entropy of supervised
+    distillation (GKD's forward option): its gradient on a token the teacher likes does not shrink with the
+    student's own probability of it, as the reverse KL's does."""
+    if direction == "reverse":
+        return topk_reverse_kl(student_top_log_probs, teacher_top_log_probs)
+    if direction != "forward":
+        raise ValueError(f"algorithm.opd_top_k_kl={direction!r} is unknown; choose one of {list(TOP_K_KL)}")
+    student, teacher = student_top_log_probs.float(), teacher_top_log_probs.float()
+    q, q_rest = _coarsened(teacher)
+    _, p_rest = _coarsened(student)
+    return (q * (teacher - student)).sum(-1) + q_rest * (q_rest.log() - p_rest.log())
+
+
+def topk_reverse_kl(student_top_log_probs: torch.Tensor, teacher_top_log_probs: torch.Tensor) -> torch.Tensor:
+    """KL(student || teacher) at each position between the two distributions coarsened to k + 1 outcomes: each of
+    the teacher's top-k tokens there, and "any other token" (1 - the top-k's probability, under each model).
+    [..., k] log-probs of the same k token ids under each model -> [...].
+
+    Exact, not sampled: sum_j p_j (log p_j - log q_j) + p_rest (log p_rest - log q_rest). Coarsening never increases
+    a KL (data processing), so this is a lower bound on the full-vocabulary KL, equal to it when the top-k hold both
+    distributions' mass. Its gradient moves the student's probability of each top-k token toward the teacher's, and
+    its mass outside them as one. On-policy distillation with algorithm.opd_top_k (the student's own samples, the
+    teacher's top-k at each of their positions; GKD and MiniLLM use the full distribution the same way)."""
+    student, teacher = student_top_log_probs.float(), teacher_top_log_probs.float()
+    (p, p_rest), (_, q_rest) = _coarsened(student), _coarsened(teacher)
+    return (p * (student - teacher)).sum(-1) + p_rest * (p_rest.log() - q_rest.log())

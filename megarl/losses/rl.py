@@ -21,9 +21,12 @@ import torch
 import torch.distributed as dist
 
 from ..algorithms import (AlgorithmConfig, POLICY_LOSSES, global_counts, kl_estimate, loss_weights, mismatch_weights,
-                          value_loss)
+                          topk_kl, value_loss)
 from ..parallel import mcore_groups
 from .fused_linear import logprob_entropy
+
+
+_WIDE_FIELDS = ("routed_experts", "teacher_top_ids", "teacher_top_log_probs")  # [b, s, ...]: more than one value
 
 
 @dataclass
@@ -41,6 +44,10 @@ class TokenBatch:
     old_values: Optional[torch.Tensor] = None  # the critic's values at rollout time (value clipping anchor)
     routed_experts: Optional[torch.Tensor] = None  # [b, s, layers, top-k] the engine's MoE routing (R3 replay)
     selected: Optional[torch.Tensor] = None  # [b, s] 0/1 tokens chosen before the loss (clip_cov / kl_cov; loss_phases)
+    # opd with algorithm.opd_top_k: the teacher's k most likely tokens for targets[t] at each position ([b, s, k] int64)
+    # and their teacher log-probs ([b, s, k] float): the loss adds the top-k reverse KL there
+    teacher_top_ids: Optional[torch.Tensor] = None
+    teacher_top_log_probs: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         shape = tuple(self.input_ids.shape)
@@ -50,7 +57,7 @@ class TokenBatch:
         for f in fields(self)[1:]:
             value = getattr(self, f.name)
             if value is not None and (tuple(value.shape[:2]) != shape or
-                                      (value.dim() != 2 and f.name != "routed_experts")):
+                                      (value.dim() != 2 and f.name not in _WIDE_FIELDS)):
                 raise ValueError(f"TokenBatch.{f.name} has shape {list(value.shape)}; it must be [batch, seq] = "
                                  f"{list(shape)} like input_ids, one value per position t (the prediction of "
                                  "targets[t]; see docs/losses.md). Fix: build it on the same rows and padded length")
@@ -151,8 +158,10 @@ def _mean_stat(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def rl_objective(log_prob: torch.Tensor, entropy: torch.Tensor, batch: TokenBatch, cfg: AlgorithmConfig,
-                 cp_group=None) -> tuple[torch.Tensor, dict]:
-    """sum_t loss_t * loss_weight_t for one micro-batch (or CP shard of it), and its metrics.
+                 cp_group=None, student_top_log_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """sum_t loss_t * loss_weight_t for one micro-batch (or CP shard of it), and its metrics. student_top_log_probs
+    [b, s, k]: the policy's log-probs of the teacher's top-k tokens (batch.teacher_top_ids; opd with opd_top_k): the
+    top-k reverse KL to the teacher joins each token's loss.
 
     Metrics: "mean/<name>" -> tensor([sum, count]) over response tokens; "max/<name>" -> scalar; "hist/log_ratio" ->
     the response tokens' log-ratios as a mergeable histogram (log_histogram, for percentiles).
@@ -180,6 +189,10 @@ def rl_objective(log_prob: torch.Tensor, entropy: torch.Tensor, batch: TokenBatc
         raise ValueError("algorithm.kl_coef > 0 (KL in the loss) needs ref_log_probs in the batch")
     if cfg.entropy_coef:
         per_token = per_token - cfg.entropy_coef * entropy
+    if student_top_log_probs is not None:
+        distill = topk_kl(student_top_log_probs, batch.teacher_top_log_probs, cfg.opd_top_k_kl)
+        metrics["mean/opd_topk_kl"] = _mean_stat(distill, mask)
+        per_token = per_token + distill
     # Train vs rollout engine: |difference| and k3 KL(rollout || train), from the rollout's samples.
     with torch.no_grad():
         diff = (log_prob - rollout).abs() * mask
@@ -316,14 +329,22 @@ def make_loss_func(batch: TokenBatch, cfg: AlgorithmConfig | None, *, num_microb
     temperature = temperature if temperature is not None else (cfg.temperature if cfg is not None else 1.0)
     fn = OBJECTIVES[objective]
 
-    targets = batch.targets if packing is None else packing.pack(batch.targets)
+    def log_prob_entropy(output, token_ids: torch.Tensor):  # [b, s] each
+        log_prob, entropy = logprob_entropy(output, token_ids if packing is None else packing.pack(token_ids),
+                                            vocab_size=vocab_size, temperature=temperature, group=tp_group)
+        return (log_prob, entropy) if packing is None else (packing.unpack(log_prob), packing.unpack(entropy))
 
     def loss_func(output):
-        log_prob, entropy = logprob_entropy(output, targets, vocab_size=vocab_size, temperature=temperature,
-                                            group=tp_group)
-        if packing is not None:
-            log_prob, entropy = packing.unpack(log_prob), packing.unpack(entropy)
-        loss, metrics = fn(log_prob, entropy, batch, cfg, cp_group=cp_group)
+        log_prob, entropy = log_prob_entropy(output, batch.targets)
+        extra = {}
+        if batch.teacher_top_ids is not None and objective == "rl":
+            # opd_top_k: the policy's log-prob of each of the teacher's top-k tokens, one more pass over the
+            # vocabulary (vocab-parallel, as the targets') per column; a fused top-k gather would share the
+            # normaliser if k grows large
+            extra["student_top_log_probs"] = torch.stack(
+                [log_prob_entropy(output, batch.teacher_top_ids[..., j].contiguous())[0]
+                 for j in range(batch.teacher_top_ids.shape[-1])], dim=-1)
+        loss, metrics = fn(log_prob, entropy, batch, cfg, cp_group=cp_group, **extra)
         metrics["loss"] = torch.stack([loss.detach(), torch.ones(())])
         return loss * (num_microbatches * dp_size), metrics
 

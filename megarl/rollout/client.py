@@ -9,12 +9,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
 from requests.adapters import HTTPAdapter
 
 from .server import EngineError, SGLangServer
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +36,10 @@ class Completion:
     # which weights sampled which output tokens: runs of (token count, weight_version), in order. One run unless the
     # request was aborted by a weight update and continued under the new weights (EngineRouter, partial rollouts).
     segments: list[tuple[int, str | None]] | None = None
+    # with top_logprobs_num k and logprob_start_len=0: for t >= 1, the k most likely tokens at position t given
+    # prompt[:t] and their log-probs, [len(prompt) - 1, k] int32 / float32 (SGLang's input_top_logprobs)
+    input_top_ids: "np.ndarray | None" = None
+    input_top_log_probs: "np.ndarray | None" = None
 
     def __post_init__(self):
         if self.segments is None:
@@ -84,12 +91,14 @@ class EngineClient:
     # ----------------------------------------------------------------------------------------------- generation
     def generate(self, prompts: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
                  return_logprob: bool = True, logprob_start_len: int | None = None,
-                 return_routed_experts: bool = False) -> list[Completion]:
+                 return_routed_experts: bool = False, top_logprobs_num: int = 0) -> list[Completion]:
         """One batched /generate; token ids in, token ids and per-token log-probs out. sampling_params: one dict for
         the batch or one per prompt."""
         payload = {"input_ids": prompts, "sampling_params": sampling_params, "return_logprob": return_logprob}
         if logprob_start_len is not None:
             payload["logprob_start_len"] = logprob_start_len
+        if top_logprobs_num:
+            payload["top_logprobs_num"] = top_logprobs_num
         if return_routed_experts:
             payload["return_routed_experts"] = True
         outputs = self.call("/generate", payload)
@@ -99,22 +108,29 @@ class EngineClient:
         for prompt, out in zip(prompts, outputs):
             meta = out["meta_info"]
             finish = meta.get("finish_reason") or {}
-            input_lp = None
+            input_lp, top = None, (None, None)
             if logprob_start_len is not None and meta.get("input_token_logprobs"):
                 input_lp = [x[0] for x in meta["input_token_logprobs"] if x[0] is not None]
+            if logprob_start_len is not None and top_logprobs_num:
+                top = _top_log_probs(meta, top_logprobs_num)
             completions.append(Completion(
                 prompt_ids=list(prompt), output_ids=list(out.get("output_ids") or []),
                 output_log_probs=[x[0] for x in meta.get("output_token_logprobs") or []],
                 finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish),
                 weight_version=meta.get("weight_version"), input_log_probs=input_lp,
-                routed_experts=_routed_experts(meta) if return_routed_experts else None))
+                routed_experts=_routed_experts(meta) if return_routed_experts else None,
+                input_top_ids=top[0], input_top_log_probs=top[1]))
         return completions
+
+    def prefill(self, sequences: list[list[int]], top_k: int = 0) -> list[Completion]:
+        """The engine's scoring of each whole sequence (one generated token, ignored): input_log_probs, and with
+        top_k the k most likely tokens at each position t >= 1 (input_top_ids / input_top_log_probs)."""
+        return self.generate(sequences, {"max_new_tokens": 1, "temperature": 0.0}, return_logprob=True,
+                             logprob_start_len=0, top_logprobs_num=top_k)
 
     def prompt_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(seq[t] | seq[:t]) for t >= 1 of each sequence, as the engine computes them (probe sequences)."""
-        completions = self.generate(sequences, {"max_new_tokens": 1, "temperature": 0.0}, return_logprob=True,
-                                    logprob_start_len=0)
-        return [c.input_log_probs for c in completions]
+        return [c.input_log_probs for c in self.prefill(sequences)]
 
     # --------------------------------------------------------------------------------------------- control
     def health(self) -> bool:
@@ -183,6 +199,19 @@ def _routed_experts(meta: dict):
     import torch
 
     return torch.from_numpy(np.frombuffer(base64.b64decode(encoded), dtype=np.int32).copy())
+
+
+def _top_log_probs(meta: dict, k: int):
+    """SGLang's input_top_logprobs (one entry per input position, None at position 0, else k [log-prob, token id,
+    text] triples, most likely first) -> ([positions - 1, k] int32 ids, [positions - 1, k] float32 log-probs)."""
+    import numpy as np
+
+    rows = [row for row in meta.get("input_top_logprobs") or [] if row is not None]
+    if any(len(row) != k for row in rows):
+        raise EngineError(f"the engine returned top log-probs of another width than top_logprobs_num={k}")
+    ids = np.asarray([[x[1] for x in row] for row in rows], dtype=np.int32).reshape(len(rows), k)
+    log_probs = np.asarray([[x[0] for x in row] for row in rows], dtype=np.float32).reshape(len(rows), k)
+    return ids, log_probs
 
 
 def _body(response):

@@ -91,11 +91,16 @@ class EngineRouter:
 
         return self._spread(len(prompts), call)
 
+    def prefill(self, sequences: list[list[int]], top_k: int = 0) -> list[Completion]:
+        """Each sequence scored by an engine (EngineClient.prefill: log-probs of every token after the first, with
+        top_k the k most likely tokens at each position), in sequence order; spread over the engines like generate
+        (one batched request per engine)."""
+        return self._spread(len(sequences), lambda client, indices: client.prefill(
+            [sequences[i] for i in indices], top_k))
+
     def prompt_log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """log p(seq[t] | seq[:t]) for t >= 1 of each sequence (EngineClient.prompt_log_probs: prefill only), in
-        sequence order; spread over the engines like generate (one batched request per engine)."""
-        return self._spread(len(sequences), lambda client, indices: client.prompt_log_probs(
-            [sequences[i] for i in indices]))
+        """log p(seq[t] | seq[:t]) for t >= 1 of each sequence (EngineClient.prompt_log_probs: prefill only)."""
+        return [c.input_log_probs for c in self.prefill(sequences)]
 
     def _spread(self, n: int, call) -> list:
         """call(client, indices) -> one result per index, for the n items split over the engines by the policy (each

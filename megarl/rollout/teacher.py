@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -76,19 +77,34 @@ class Teacher:
                 logger.warning("teacher %s: its tokenizer (%r) is not on this machine; not compared with the "
                                "policy's", client.url, path)
 
-    def response_log_probs(self, prompts: list, responses: list) -> list[np.ndarray]:
+    def response_log_probs(self, prompts: list, responses: list, top_k: int = 0) -> list[TaughtResponse]:
         """For each (prompt ids, response ids): log p_teacher(response[j] | prompt + response[:j]) for every response
-        token, float32; one batched prefill request per teacher engine (EngineClient.prompt_log_probs:
-        logprob_start_len=0, the teacher's own distribution at temperature 1, whatever the rollout's sampling
-        temperature)."""
+        token, float32, and with top_k the teacher's k most likely tokens at each of those positions with their
+        log-probs; one batched prefill request per teacher engine (EngineClient.prefill: logprob_start_len=0, the
+        teacher's own distribution at temperature 1, whatever the rollout's sampling temperature)."""
         sequences = [list(map(int, p)) + list(map(int, r)) for p, r in zip(prompts, responses)]
         out = []
-        for seq, response, log_probs in zip(sequences, responses, self.router.prompt_log_probs(sequences)):
-            if len(log_probs) != len(seq) - 1:
+        for seq, response, scored in zip(sequences, responses, self.router.prefill(sequences, top_k)):
+            log_probs, n = scored.input_log_probs or [], len(response)
+            tops = [] if not top_k else [scored.input_top_ids, scored.input_top_log_probs]
+            if len(log_probs) != len(seq) - 1 or any(t is None or len(t) != len(seq) - 1 for t in tops):
                 urls = ", ".join(c.url for c in self.clients)
+                each = ", each with its top-k" if top_k else ""
                 raise UserError(f"a teacher engine ({urls}) returned {len(log_probs)} log-probs for a "
-                                f"{len(seq)}-token sequence (expected {len(seq) - 1}). Fix: serve the teacher with "
-                                "SGLang >= 0.5 (input_token_logprobs with logprob_start_len=0)")
-            out.append(np.asarray(log_probs[len(log_probs) - len(response):] if len(response) else [],
-                                  dtype=np.float32))
+                                f"{len(seq)}-token sequence (expected {len(seq) - 1}{each}). Fix: serve the teacher "
+                                "with SGLang >= 0.5 (input_token_logprobs and input_top_logprobs with "
+                                "logprob_start_len=0)")
+            top_ids, top_log_probs = (t[len(t) - n:] for t in tops) if top_k else (None, None)
+            out.append(TaughtResponse(np.asarray(log_probs[len(log_probs) - n:] if n else [], dtype=np.float32),
+                                      top_ids, top_log_probs))
         return out
+
+
+@dataclass
+class TaughtResponse:
+    """The teacher's view of one sampled response: its log-prob of each response token ([n] float32) and, with
+    algorithm.opd_top_k = k, its k most likely tokens at each response position ([n, k] int32) with their log-probs
+    ([n, k] float32)."""
+    log_probs: np.ndarray
+    top_ids: np.ndarray | None = None
+    top_log_probs: np.ndarray | None = None

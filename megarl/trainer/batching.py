@@ -38,6 +38,8 @@ class Sample:
     loss_mask: list[int] | np.ndarray | None = None  # per response token (multi-turn: 0 on observations); None: all
     routed_experts: torch.Tensor | list[int] | None = None  # the engine's MoE routing, flat [positions, layers, top-k]
     teacher_log_probs: list[float] | np.ndarray | None = None  # opd: the teacher's log-prob of each response token
+    teacher_top_ids: np.ndarray | None = None  # opd_top_k: [response tokens, k] int32, the teacher's top-k there
+    teacher_top_log_probs: np.ndarray | None = None  # opd_top_k: [response tokens, k] float32, their log-probs
     token_versions: np.ndarray | None = None  # int32 per response token: the weight version that sampled it (-1: none)
     extra: dict = field(default_factory=dict)
 
@@ -60,7 +62,8 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.arange(total) + shift
 
 
-PER_TOKEN_OPTIONAL = ("teacher_log_probs", "token_versions")  # per response token, packed when the run needs them
+# per response token, packed when the run needs them (the teacher's top-k: k values per token, [R, k])
+PER_TOKEN_OPTIONAL = ("teacher_log_probs", "token_versions", "teacher_top_ids", "teacher_top_log_probs")
 
 
 @dataclass
@@ -80,18 +83,23 @@ class PackedRollout:
     routed_experts: torch.Tensor | None = None  # [sum(seq_lens - 1) * layers * top-k], uint8 / int16 / int32
     teacher_log_probs: torch.Tensor | None = None  # [R] float32, one per response token (opd's teacher), or None
     token_versions: torch.Tensor | None = None  # [R] int32: the weight version that sampled each response token
+    teacher_top_ids: torch.Tensor | None = None  # [R, k] int32: the teacher's top-k tokens at each response token
+    teacher_top_log_probs: torch.Tensor | None = None  # [R, k] float32: their teacher log-probs
 
     @classmethod
     def from_samples(cls, samples: list[Sample], routing: bool = True, group_size: int | None = None,
-                     teacher: bool | None = None, versions: bool = False) -> "PackedRollout":
+                     teacher: bool | None = None, versions: bool = False,
+                     teacher_top_k: int | None = None) -> "PackedRollout":
         """Pack `samples`. sample_index: with group_size, the step-wide index group * group_size + j (j: the sample's
         place among this list's samples of its group), else the position in the list. routing=False leaves the MoE
         routing out. The samples' ids / log-probs / masks may be numpy arrays (the rollout makes them as each chunk
         returns: packing is then a concatenation) or lists. teacher: pack the teacher log-probs (None: when the
-        samples carry them); versions: pack every response token's weight version (asynchronous RL)."""
-        def flat(parts, dtype):
-            return torch.from_numpy(np.concatenate([np.asarray(p, dtype=dtype) for p in parts] or
-                                                   [np.zeros(0, dtype=dtype)]))
+        samples carry them); versions: pack every response token's weight version (asynchronous RL); teacher_top_k:
+        the width of the teacher's top-k to pack (0: none; None: as the samples carry them)."""
+        def flat(parts, dtype, width=None):  # width: k values per token ([R, k])
+            shape = (-1,) if width is None else (-1, width)
+            arrays = [np.asarray(p, dtype=dtype).reshape(shape) for p in parts]
+            return torch.from_numpy(np.concatenate(arrays) if arrays else np.zeros((0,) + shape[1:], dtype))
 
         prompt_lens = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
         response_lens = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
@@ -111,6 +119,18 @@ class PackedRollout:
             if any(s.teacher_log_probs is None or len(s.teacher_log_probs) != len(s.response_ids) for s in samples):
                 raise ValueError("every sample needs one teacher log-prob per response token")
             teacher_lp = flat((s.teacher_log_probs for s in samples), np.float32)
+        if teacher_top_k is None:
+            teacher_top_k = samples[0].teacher_top_ids.shape[1] if samples and samples[0].teacher_top_ids is not None \
+                else 0
+        top_ids = top_log_probs = None
+        if teacher_top_k:
+            if any(s.teacher_top_ids is None or s.teacher_top_log_probs is None or
+                   np.shape(s.teacher_top_ids) != (len(s.response_ids), teacher_top_k) or
+                   np.shape(s.teacher_top_log_probs) != (len(s.response_ids), teacher_top_k) for s in samples):
+                raise ValueError(f"every sample needs the teacher's top-{teacher_top_k} ids and log-probs per response "
+                                 "token")
+            top_ids = flat((s.teacher_top_ids for s in samples), np.int32, teacher_top_k)
+            top_log_probs = flat((s.teacher_top_log_probs for s in samples), np.float32, teacher_top_k)
         token_versions = None
         if versions:
             if any(s.token_versions is None or len(s.token_versions) != len(s.response_ids) for s in samples):
@@ -135,7 +155,8 @@ class PackedRollout:
                    baseline=torch.tensor([s.baseline for s in samples], dtype=torch.float32),
                    group=torch.tensor([s.group for s in samples], dtype=torch.long),
                    sample_index=torch.tensor(index, dtype=torch.long), routed_experts=routed,
-                   teacher_log_probs=teacher_lp, token_versions=token_versions)
+                   teacher_log_probs=teacher_lp, token_versions=token_versions, teacher_top_ids=top_ids,
+                   teacher_top_log_probs=top_log_probs)
 
     @classmethod
     def cat(cls, parts: list["PackedRollout"]) -> "PackedRollout":
@@ -195,17 +216,21 @@ class PackedRollout:
         targets = torch.cat([input_ids[:, 1:], torch.full((rows, 1), pad_id, dtype=torch.long)], dim=1)
         mask = self.per_token(self.loss_mask.float(), rows, seq_len)
         rollout = self.per_token(self.rollout_log_probs, rows, seq_len)
+        top = {name: self.per_token(getattr(self, name), rows, seq_len)
+               for name in ("teacher_top_ids", "teacher_top_log_probs") if getattr(self, name) is not None}
         return TokenBatch(input_ids=input_ids, targets=targets, loss_mask=mask, rollout_log_probs=rollout,
-                          routed_experts=self._routing(rows, seq_len, routing_shape) if routing_shape else None)
+                          routed_experts=self._routing(rows, seq_len, routing_shape) if routing_shape else None, **top)
 
     def per_token(self, values: torch.Tensor, rows: int, seq_len: int) -> torch.Tensor:
-        """[rows, seq_len] float32: the per-response-token `values` ([R], e.g. rollout or teacher log-probs) where the
-        token batch predicts them (response token j of sample i at position prompt_len + j - 1), times the loss mask;
-        0 elsewhere."""
+        """[rows, seq_len, ...]: the per-response-token `values` ([R, ...], e.g. rollout or teacher log-probs, the
+        teacher's top-k ids) where the token batch predicts them (response token j of sample i at position
+        prompt_len + j - 1) where the loss mask is 1; 0 elsewhere. Floats become float32, integers int64."""
         resp = self.response_lens
         row = torch.repeat_interleave(torch.arange(self.num_samples), resp)
-        out = torch.zeros(rows, seq_len)
-        out[row, _ranges(self.prompt_lens - 1, resp)] = values.float() * self.loss_mask
+        dtype = torch.float32 if values.is_floating_point() else torch.long
+        out = torch.zeros((rows, seq_len) + tuple(values.shape[1:]), dtype=dtype)
+        keep = self.loss_mask.bool().view(-1, *[1] * (values.dim() - 1))
+        out[row, _ranges(self.prompt_lens - 1, resp)] = torch.where(keep, values.to(dtype), 0)
         return out
 
     def _routing(self, rows: int, seq_len: int, shape: tuple[int, int]) -> torch.Tensor | None:

@@ -23,7 +23,9 @@ _PER_SAMPLE = ("seq_lens", "prompt_lens", "score", "baseline", "group", "sample_
 _PER_RESPONSE_TOKEN = ("rollout_log_probs", "loss_mask")
 _FIXED = {"seq_lens": torch.int64, "prompt_lens": torch.int64, "score": torch.float32, "baseline": torch.float32,
           "group": torch.int64, "sample_index": torch.int64, "rollout_log_probs": torch.float32,
-          "loss_mask": torch.uint8, "teacher_log_probs": torch.float32, "token_versions": torch.int32}
+          "loss_mask": torch.uint8, "teacher_log_probs": torch.float32, "token_versions": torch.int32,
+          "teacher_top_ids": torch.int32, "teacher_top_log_probs": torch.float32}
+_TOP_K = ("teacher_top_ids", "teacher_top_log_probs")  # [R, top_k]
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class Shape:
     tokens_dtype: int
     routing_dtype: int
     optional: int  # bit i set: PER_TOKEN_OPTIONAL[i] travels too (opd's teacher log-probs, async token versions)
+    top_k: int  # the width of the teacher's top-k per response token (opd_top_k; 0: none)
     rows: int
     seq_len: int
     num_microbatches: int
@@ -50,13 +53,15 @@ class Shape:
                    -1 if routed is None else routed.numel(), _DTYPES.index(share.tokens.dtype),
                    0 if routed is None else _DTYPES.index(routed.dtype),
                    sum(1 << i for i, name in enumerate(PER_TOKEN_OPTIONAL) if getattr(share, name) is not None),
+                   0 if share.teacher_top_ids is None else share.teacher_top_ids.shape[1],
                    rows, seq_len, num_microbatches)
 
     def empty(self) -> PackedRollout:
         per_token = _PER_RESPONSE_TOKEN + tuple(name for i, name in enumerate(PER_TOKEN_OPTIONAL)
                                                 if self.optional >> i & 1)
         sizes = {name: self.samples for name in _PER_SAMPLE} | {name: self.response_tokens for name in per_token}
-        out = {name: torch.empty(n, dtype=_FIXED[name]) for name, n in sizes.items()}
+        out = {name: torch.empty((n, self.top_k) if name in _TOP_K else n, dtype=_FIXED[name])
+               for name, n in sizes.items()}
         out["tokens"] = torch.empty(self.tokens, dtype=_DTYPES[self.tokens_dtype])
         if self.routing >= 0:
             out["routed_experts"] = torch.empty(self.routing, dtype=_DTYPES[self.routing_dtype])

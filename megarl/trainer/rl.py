@@ -364,7 +364,8 @@ class RLTrainer:
         before, started = self.stream.state(), time.perf_counter() - self.started
         samples, stats = self.rollout.collect(self.stream, step, self.workers)
         packed = PackedRollout.from_samples(samples, routing=self._routing_shape() is not None, group_size=n,
-                                            teacher=cfg.teacher.enabled, versions=cfg.rl.max_staleness > 0)
+                                            teacher=cfg.teacher.enabled, versions=cfg.rl.max_staleness > 0,
+                                            teacher_top_k=cfg.algorithm.opd_top_k if cfg.teacher.enabled else 0)
         plan = BatchPlan.from_workers(packed, cfg.rollout.prompts_per_step * n, n, self.workers.sum, self.dp_size,
                                       self.pg.tp.size(), cfg.rl.max_tokens_per_microbatch,
                                       row_multiple=cfg.rl.mini_batches)
@@ -515,7 +516,7 @@ class RLTrainer:
                                       std_normalize=cfg.std_normalize, whiten_advantages=cfg.whiten_advantages,
                                       group=self.pg.dp, baseline=rb.samples.baseline, teacher_log_probs=teacher,
                                       student_log_probs=batch.old_log_probs[:real],
-                                      opd_reward_weight=cfg.opd_reward_weight)
+                                      opd_reward_weight=cfg.opd_reward_weight, opd_top_k=cfg.opd_top_k)
         advantages[:real], returns[:real] = adv, ret
         return advantages, returns
 

@@ -23,6 +23,7 @@ from ..envs.episode import check_turn
 from ..errors import PeerFailed, UserError
 from ..evaluation import majority_at_n, normalise_answer, pass_at_k_curve
 from ..rewards.judge import Judge, VerificationQuality, scored as judged, weighted
+from ..rollout.teacher import TaughtResponse
 from .async_rollout import token_versions
 from .batching import Sample
 
@@ -186,8 +187,9 @@ class Rollout:
                 scored = weighted(scored, [info["meta_verifier"]["quality"] for info in infos])
             checked = self.eval_rewards.submit(texts) if check and self.eval_rewards is not None else None
             taught = self.teacher.response_log_probs([e.prompt_ids for e in episodes],
-                                                     [e.response_ids for e in episodes]) \
-                if teacher and temp > 0 else [None] * len(episodes)  # never for the untrained greedy rollouts
+                                                     [e.response_ids for e in episodes],
+                                                     top_k=self.cfg.algorithm.opd_top_k) \
+                if teacher and temp > 0 else [TaughtResponse(None)] * len(episodes)  # never for greedy rollouts
             return episodes, (scored, checked, taught)
 
         samples, baselines = [], []
@@ -206,7 +208,7 @@ class Rollout:
                 for e, trained_on in zip(episodes, rewards):
                     e.info["train_reward"] = trained_on + e.env_reward
                 rewards = self.eval_rewards.result(checked, len(piece))
-            for (g, r, j), e, reward, teacher_lp in zip(piece, episodes, rewards, taught):
+            for (g, r, j), e, reward, teacher in zip(piece, episodes, rewards, taught):
                 reward += e.env_reward
                 if r.index not in prompts:  # one array per prompt, shared by its samples
                     prompts[r.index] = np.asarray(r.prompt_ids, dtype=np.int32)
@@ -216,7 +218,8 @@ class Rollout:
                     rollout_log_probs=np.asarray(e.log_probs, dtype=np.float32),
                     finish_reason=e.finish_reason, reward=reward, score=reward,
                     loss_mask=np.asarray(e.loss_mask, dtype=np.uint8) if multi_turn else None,
-                    routed_experts=e.routed_experts, teacher_log_probs=teacher_lp,
+                    routed_experts=e.routed_experts, teacher_log_probs=teacher.log_probs,
+                    teacher_top_ids=teacher.top_ids, teacher_top_log_probs=teacher.top_log_probs,
                     token_versions=token_versions(e.segments),
                     extra={"weight_version": e.weight_version, "turns": e.turns, "final_text": e.final_text,
                            **e.info}))
