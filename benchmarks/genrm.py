@@ -29,12 +29,17 @@ Stages, in <work> (default runs/bench-genrm/seed<S>), each skipped when its resu
    (reward.judge.meta_verifier, DeepSeekMath-V2's multiplicative rule): does it pass fewer wrong answers?
 8. opd: the student starts from the same SFT checkpoint; advantage_estimator=opd with the `exact` run's final policy
    as teacher (its own SGLang server, prefill-only log-prob requests), no task reward, no dynamic sampling (every
-   group carries a signal).
+   group carries a signal). Two runs: `opd`, the sampled token's reverse-KL advantage with the quickstart's 32
+   prompts x 8 samples; and the recipe (run opd-top{k}[-forward]-n{n}[-lr{lr}]: --opd-top-k, --opd-top-k-kl,
+   --opd-samples, --opd-lr), by default the exact reverse KL over the teacher's top-8 + rest (algorithm.opd_top_k: 8)
+   on 256 prompts x 1 sample per step: the same samples per step, but 8x the distinct prompts, whose first answer
+   token (the position that decides most answers) is otherwise distilled 8 times over on the same prefix.
 
 benchmarks/results/genrm.json: verifier_accuracy (%), generator_gain_judge / generator_gain_exact (held-out pass@1
 after - before, points, exact checker), teacher_pass_at_1, opd_student_pass_at_1 (the student's final), opd_steps /
 grpo_steps (the first evaluated step whose held-out pass@1 is within 5 points of the teacher's final; None: never),
-plus the curves and settings; the plot: benchmarks/results/genrm.png.
+opd_sampled_* (the `opd` run), opd_variants (every finished OPD run folder in the work folder, e.g. earlier settings:
+final and best pass@1, steps to within 5 points), plus the curves and settings; the plot: benchmarks/results/genrm.png.
 """
 from __future__ import annotations
 
@@ -258,6 +263,21 @@ def opd_overrides(teacher: str, top_k: int = 0) -> list[str]:
             "rollout.dynamic_sampling=false", "reward.name=exact_match", "checkpoint.export_hf=false"]
 
 
+def opd_variants(work: str, teacher: float) -> dict[str, dict]:
+    """Every finished OPD run in `work` (run folders opd*: this benchmark's OPD runs under other --opd-* settings,
+    named by them): final and best held-out pass@1, the first evaluated step within WITHIN points of the teacher."""
+    out = {}
+    for name in sorted(os.listdir(work)):
+        summary = read_json(os.path.join(work, name, "rl_summary.json"))
+        if not name.startswith("opd") or summary is None:
+            continue
+        curve = eval_curve(os.path.join(work, name))
+        out[name] = {"steps": summary["steps"], "after": summary["pass_at_1_after"],
+                     "best": max(v["eval/pass_at_1"] for v in curve.values()),
+                     "steps_within": steps_to(curve, teacher - WITHIN), "wall_s": summary.get("bench_wall_s")}
+    return out
+
+
 def steps_to(curve: dict[int, dict], target: float) -> int | None:
     """The first evaluated step whose held-out pass@1 reaches `target`."""
     return next((s for s in sorted(curve) if curve[s]["eval/pass_at_1"] >= target), None)
@@ -283,12 +303,16 @@ def report(results: dict) -> str:
                f"{r[k]['false_pass_first']:.1f}% -> {r[k]['false_pass_last']:.1f}% ({r[k]['false_pass_mean']:.1f}%) |"
                for k, label in (("judge", "verifier"), ("judge_meta", "verifier x meta-verifier"))],
              f"| teacher (the exact run's final policy) held-out pass@1 | {r['teacher_pass_at_1']:.1f} |",
-             f"| OPD student (top-{r['settings']['opd_top_k']} reverse KL) held-out pass@1 (final) | "
+             f"| OPD student (top-{r['settings']['opd_top_k']} {r['settings']['opd_top_k_kl']} KL, "
+             f"{r['settings']['opd_samples_per_prompt']} sample(s) per prompt) held-out pass@1 (final) | "
              f"{r['opd_student_pass_at_1']:.1f} |",
              f"| OPD student (sampled-token reverse-KL advantage) held-out pass@1 (final) | "
              f"{r['opd_sampled_student_pass_at_1']:.1f} |",
              f"| steps to within {WITHIN:g} points of the teacher: OPD top-k / OPD sampled / GRPO | {r['opd_steps']} / "
-             f"{r['opd_sampled_steps']} / {r['grpo_steps']} |"]
+             f"{r['opd_sampled_steps']} / {r['grpo_steps']} |", "",
+             "| OPD run | held-out pass@1 final (best) | steps to within 5 of the teacher |", "|---|---|---|",
+             *[f"| {name} | {v['after']:.1f} ({v['best']:.1f}) | {v['steps_within']} |"
+               for name, v in r.get("opd_variants", {}).items()]]
     return "\n".join(lines)
 
 
@@ -302,7 +326,8 @@ def plot(results: dict, path: str) -> str:
     try:
         for name, label, style in (("exact", "GRPO, exact reward", "-o"), ("judge", "GRPO, verifier's score", "-s"),
                                    ("judge_meta", "GRPO, verifier x meta-verifier", "-d"),
-                                   ("opd", f"OPD, top-{results['settings']['opd_top_k']} reverse KL", "-^"),
+                                   ("opd", "OPD, the recipe: top-{opd_top_k} {opd_top_k_kl} KL, {opd_samples_per_prompt} sample(s) per "
+                                    "prompt".format(**results["settings"]), "-^"),
                                    ("opd_sampled", "OPD, sampled-token advantage", "-v")):
             curve = {int(k): v for k, v in results[name]["curve"].items()}
             steps = sorted(curve)
@@ -332,6 +357,9 @@ def main(argv=None) -> int:
                    help="the top-k OPD run's algorithm.opd_top_k (default 8; the sampled-token OPD run is beside it)")
     p.add_argument("--opd-top-k-kl", default="reverse", choices=["reverse", "forward"],
                    help="the top-k OPD run's algorithm.opd_top_k_kl (default reverse)")
+    p.add_argument("--opd-samples", type=int, default=1,
+                   help="the top-k OPD run's samples per prompt, the prompts per step scaled to keep the quickstart's "
+                        "samples per step (default 1: 256 prompts x 1 sample; distillation needs no groups)")
     p.add_argument("--opd-lr", type=float, default=None,
                    help="the top-k OPD run's optim.lr (default: the quickstart's RL lr, as every other run)")
     p.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every N RL steps (default 10)")
@@ -370,10 +398,15 @@ def main(argv=None) -> int:
         judge_meta = rl_run("judge-meta", work, args.seed, steps, args.eval_every,
                             judge_overrides(verifier_hf, meta_hf))
         opd_sampled = rl_run("opd", work, args.seed, opd_steps, args.eval_every, opd_overrides(exact["hf"]))
+        rollout = load_config(TrainConfig, os.path.join(ROOT, "configs", "quickstart.yaml"), []).rollout
+        per_step = rollout.prompts_per_step * rollout.n_samples
+        opd_samples = args.opd_samples or rollout.n_samples
         opd = rl_run(f"opd-top{args.opd_top_k}" + ("-forward" if args.opd_top_k_kl == "forward" else "") +
-                     (f"-lr{args.opd_lr:g}" if args.opd_lr else ""), work, args.seed, opd_steps, args.eval_every,
+                     (f"-n{opd_samples}" if args.opd_samples else "") + (f"-lr{args.opd_lr:g}" if args.opd_lr else ""),
+                     work, args.seed, opd_steps, args.eval_every,
                      opd_overrides(exact["hf"], args.opd_top_k) + [f"algorithm.opd_top_k_kl={args.opd_top_k_kl}"] +
-                     ([f"optim.lr={args.opd_lr}"] if args.opd_lr else []))
+                     ([f"rollout.n_samples={opd_samples}", f"rollout.prompts_per_step={per_step // opd_samples}"]
+                      if args.opd_samples else []) + ([f"optim.lr={args.opd_lr}"] if args.opd_lr else []))
         teacher = exact["summary"]["pass_at_1_after"]
         results = {
             "verifier_accuracy": verifier["accuracy"],
@@ -387,12 +420,14 @@ def main(argv=None) -> int:
             "opd_steps": steps_to(opd["curve"], teacher - WITHIN),
             "opd_sampled_student_pass_at_1": opd_sampled["summary"]["pass_at_1_after"],
             "opd_sampled_steps": steps_to(opd_sampled["curve"], teacher - WITHIN),
+            "opd_variants": opd_variants(work, teacher),
             "grpo_steps": steps_to(exact["curve"], teacher - WITHIN),
             "settings": {"seed": args.seed, "rl_steps": steps, "opd_rl_steps": opd_steps, "eval_every": args.eval_every,
                          "verifier_sft_steps": args.verifier_sft_steps,
                          "verifier_rl_steps": args.verifier_rl_steps, "within_points": WITHIN,
                          "judge_template": JUDGE_TEMPLATE, "opd_top_k": args.opd_top_k,
-                         "opd_top_k_kl": args.opd_top_k_kl, "opd_lr": args.opd_lr},
+                         "opd_top_k_kl": args.opd_top_k_kl, "opd_samples_per_prompt": opd_samples,
+                         "opd_lr": args.opd_lr},
         }
         for name, run in (("exact", exact), ("judge", judge), ("judge_meta", judge_meta), ("opd", opd),
                           ("opd_sampled", opd_sampled)):
