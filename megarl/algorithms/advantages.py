@@ -276,8 +276,8 @@ def opd(*, teacher_log_probs: torch.Tensor, student_log_probs: torch.Tensor, mas
     no baseline). student_log_probs are the policy's old log-probs (the trainer's recompute pass; the engine's rollout
     log-probs with rollout.old_log_probs=rollout): the policy the tokens were sampled from, which the ratio's anchor
     also is. opd_reward_weight w > 0 adds w x the task reward's GRPO advantage (group-normalised score, the same for
-    every token of a sample). opd_top_k > 0: the distillation is the loss's exact top-k reverse KL
-    (megarl.algorithms.kl.topk_reverse_kl), not an advantage: only the task reward's share remains here. Returns
+    every token of a sample). opd_top_k > 0: the distillation is the loss's exact top-k KL
+    (megarl.algorithms.kl.topk_kl), not an advantage: only the task reward's share remains here. Returns
     (advantages, the per-token teacher - student log-ratio)."""
     if teacher_log_probs is None or teacher_log_probs.shape != mask.shape:
         raise ValueError("opd needs `teacher_log_probs` [b, s] (the teacher's log-probs of the sampled tokens), "

@@ -45,7 +45,7 @@ class TokenBatch:
     routed_experts: Optional[torch.Tensor] = None  # [b, s, layers, top-k] the engine's MoE routing (R3 replay)
     selected: Optional[torch.Tensor] = None  # [b, s] 0/1 tokens chosen before the loss (clip_cov / kl_cov; loss_phases)
     # opd with algorithm.opd_top_k: the teacher's k most likely tokens for targets[t] at each position ([b, s, k] int64)
-    # and their teacher log-probs ([b, s, k] float): the loss adds the top-k reverse KL there
+    # and their teacher log-probs ([b, s, k] float): the loss adds the top-k KL there (topk_kl)
     teacher_top_ids: Optional[torch.Tensor] = None
     teacher_top_log_probs: Optional[torch.Tensor] = None
 
@@ -161,7 +161,7 @@ def rl_objective(log_prob: torch.Tensor, entropy: torch.Tensor, batch: TokenBatc
                  cp_group=None, student_top_log_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """sum_t loss_t * loss_weight_t for one micro-batch (or CP shard of it), and its metrics. student_top_log_probs
     [b, s, k]: the policy's log-probs of the teacher's top-k tokens (batch.teacher_top_ids; opd with opd_top_k): the
-    top-k reverse KL to the teacher joins each token's loss.
+    top-k KL to the teacher (algorithm.opd_top_k_kl's direction) joins each token's loss.
 
     Metrics: "mean/<name>" -> tensor([sum, count]) over response tokens; "max/<name>" -> scalar; "hist/log_ratio" ->
     the response tokens' log-ratios as a mergeable histogram (log_histogram, for percentiles).
