@@ -208,7 +208,7 @@ class Rollout:
                 for e, trained_on in zip(episodes, rewards):
                     e.info["train_reward"] = trained_on + e.env_reward
                 rewards = self.eval_rewards.result(checked, len(piece))
-            for (g, r, j), e, reward, teacher in zip(piece, episodes, rewards, taught):
+            for (g, r, j), e, reward, teacher_view in zip(piece, episodes, rewards, taught):
                 reward += e.env_reward
                 if r.index not in prompts:  # one array per prompt, shared by its samples
                     prompts[r.index] = np.asarray(r.prompt_ids, dtype=np.int32)
@@ -218,8 +218,8 @@ class Rollout:
                     rollout_log_probs=np.asarray(e.log_probs, dtype=np.float32),
                     finish_reason=e.finish_reason, reward=reward, score=reward,
                     loss_mask=np.asarray(e.loss_mask, dtype=np.uint8) if multi_turn else None,
-                    routed_experts=e.routed_experts, teacher_log_probs=teacher.log_probs,
-                    teacher_top_ids=teacher.top_ids, teacher_top_log_probs=teacher.top_log_probs,
+                    routed_experts=e.routed_experts, teacher_log_probs=teacher_view.log_probs,
+                    teacher_top_ids=teacher_view.top_ids, teacher_top_log_probs=teacher_view.top_log_probs,
                     token_versions=token_versions(e.segments),
                     extra={"weight_version": e.weight_version, "turns": e.turns, "final_text": e.final_text,
                            **e.info}))
