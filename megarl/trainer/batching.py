@@ -62,8 +62,9 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.arange(total) + shift
 
 
-# per response token, packed when the run needs them (the teacher's top-k: k values per token, [R, k])
-PER_TOKEN_OPTIONAL = ("teacher_log_probs", "token_versions", "teacher_top_ids", "teacher_top_log_probs")
+TEACHER_TOP_K = ("teacher_top_ids", "teacher_top_log_probs")  # opd_top_k: k values per response token, [R, k]
+# per response token, packed when the run needs them
+PER_TOKEN_OPTIONAL = ("teacher_log_probs", "token_versions") + TEACHER_TOP_K
 
 
 @dataclass
@@ -217,7 +218,7 @@ class PackedRollout:
         mask = self.per_token(self.loss_mask.float(), rows, seq_len)
         rollout = self.per_token(self.rollout_log_probs, rows, seq_len)
         top = {name: self.per_token(getattr(self, name), rows, seq_len)
-               for name in ("teacher_top_ids", "teacher_top_log_probs") if getattr(self, name) is not None}
+               for name in TEACHER_TOP_K if getattr(self, name) is not None}
         return TokenBatch(input_ids=input_ids, targets=targets, loss_mask=mask, rollout_log_probs=rollout,
                           routed_experts=self._routing(rows, seq_len, routing_shape) if routing_shape else None, **top)
 

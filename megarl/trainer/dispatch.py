@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import Groups
-from .batching import PER_TOKEN_OPTIONAL, BatchPlan, PackedRollout
+from .batching import PER_TOKEN_OPTIONAL, TEACHER_TOP_K, BatchPlan, PackedRollout
 
 _DTYPES = [torch.int32, torch.int64, torch.uint8, torch.int16, torch.float32]
 _PER_SAMPLE = ("seq_lens", "prompt_lens", "score", "baseline", "group", "sample_index")
@@ -25,7 +25,6 @@ _FIXED = {"seq_lens": torch.int64, "prompt_lens": torch.int64, "score": torch.fl
           "group": torch.int64, "sample_index": torch.int64, "rollout_log_probs": torch.float32,
           "loss_mask": torch.uint8, "teacher_log_probs": torch.float32, "token_versions": torch.int32,
           "teacher_top_ids": torch.int32, "teacher_top_log_probs": torch.float32}
-_TOP_K = ("teacher_top_ids", "teacher_top_log_probs")  # [R, top_k]
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ class Shape:
         per_token = _PER_RESPONSE_TOKEN + tuple(name for i, name in enumerate(PER_TOKEN_OPTIONAL)
                                                 if self.optional >> i & 1)
         sizes = {name: self.samples for name in _PER_SAMPLE} | {name: self.response_tokens for name in per_token}
-        out = {name: torch.empty((n, self.top_k) if name in _TOP_K else n, dtype=_FIXED[name])
+        out = {name: torch.empty((n, self.top_k) if name in TEACHER_TOP_K else n, dtype=_FIXED[name])
                for name, n in sizes.items()}
         out["tokens"] = torch.empty(self.tokens, dtype=_DTYPES[self.tokens_dtype])
         if self.routing >= 0:

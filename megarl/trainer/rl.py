@@ -365,7 +365,7 @@ class RLTrainer:
         samples, stats = self.rollout.collect(self.stream, step, self.workers)
         packed = PackedRollout.from_samples(samples, routing=self._routing_shape() is not None, group_size=n,
                                             teacher=cfg.teacher.enabled, versions=cfg.rl.max_staleness > 0,
-                                            teacher_top_k=cfg.algorithm.opd_top_k if cfg.teacher.enabled else 0)
+                                            teacher_top_k=cfg.algorithm.opd_top_k)
         plan = BatchPlan.from_workers(packed, cfg.rollout.prompts_per_step * n, n, self.workers.sum, self.dp_size,
                                       self.pg.tp.size(), cfg.rl.max_tokens_per_microbatch,
                                       row_multiple=cfg.rl.mini_batches)
