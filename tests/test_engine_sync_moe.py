@@ -171,6 +171,10 @@ def test_corrupted_expert_slice_is_detected_and_named(engine):
 
 # Each MoE family in a real SGLang CPU engine (fp32, returning its routing), one engine per family for the module
 FAMILIES = ["deepseek_v3", "glm4_moe", "mixtral", "qwen2_moe"]
+# the trainer's layout for the sync and routing: TP x EP where the family's attention has a TP-specific path (MLA's down
+# projections; GLM's partial RoPE and biases), whose samples (11 and 13 tokens) are padded to the TP size in the forward
+LAYOUTS = {"deepseek_v3": {"tp": 2, "ep": 2}, "glm4_moe": {"tp": 2, "ep": 2}, "mixtral": {"ep": 2},
+           "qwen2_moe": {"ep": 2}}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -186,8 +190,8 @@ def test_moe_family_in_the_engine_computes_transformers_model_syncs_and_routes_l
     router with bias; Mixtral; Qwen2-MoE: gated shared expert):
     1. its prompt log-probs equal transformers' (for DeepSeek-V3 only with megarl's torch_native MLA patch,
        megarl/platform/sglang_cpu/sitecustomize.py; without it they differ by up to 2 nats);
-    2. an EP 2 sync from a perturbed trainer (router and its bias included) is verified (checksums of every engine
-       tensor, probes);
+    2. an EP 2 (DeepSeek-V3, GLM: TP 2 x EP 2) sync from a perturbed trainer (router and its bias included) is
+       verified (checksums of every engine tensor, probes);
     3. on the engine's samples, the trainer's own routing agrees with the routing the engine returns (a wrong
        token or layer order would agree about top-k / experts of the time), and replaying the engine's routing (R3)
        makes it agree exactly, with the trainer's log-probs of the sampled tokens equal to the engine's."""
@@ -204,7 +208,8 @@ def test_moe_family_in_the_engine_computes_transformers_model_syncs_and_routes_l
     reference = log_probs.gather(-1, torch.tensor(seq)[0, 1:, None])
     engine = torch.tensor(EngineClient(server.url).prompt_log_probs(seq)[0])
     assert (engine - reference[:, 0]).abs().max() < 1e-4
-    r = run_ranks(2, ranks.routing_with_engine, path, server.url, {"ep": 2}, 21)[0]
+    layout = LAYOUTS[family]
+    r = run_ranks(layout.get("tp", 1) * 2, ranks.routing_with_engine, path, server.url, layout, 21)[0]
     assert r["stats"]["verified_tensors"] > 20 and r["stats"]["probe_max_abs_diff"] < 1e-4
     assert r["tokens"] >= 20
     assert 0.95 <= r["own"]["agreement"] <= 1.0

@@ -9,14 +9,12 @@ from megarl.testing import run_ranks, tiny_model_dir
 
 DENSE = ["llama", "qwen2", "qwen3"]
 MOE = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"]
-MLA = ["deepseek_v3"]  # tp=1 layouts only on CPU: ModelBridge refuses tp > 1 for MLA there (test below)
 # (name, layout, world size)
 DENSE_LAYOUTS = [("tp1", {}, 1), ("tp2", {"tp": 2}, 2), ("pp2", {"pp": 2}, 2), ("tp2pp2", {"tp": 2, "pp": 2}, 4)]
 MOE_LAYOUTS = DENSE_LAYOUTS[:3] + [("ep2", {"ep": 2}, 2), ("tp2ep2", {"tp": 2, "ep": 2}, 4),
                                    ("tp2ep2etp1", {"tp": 2, "ep": 2, "etp": 1}, 4),
                                    ("pp2ep2", {"pp": 2, "ep": 2}, 4)]
-CASES = [(f, *layout) for f in DENSE for layout in DENSE_LAYOUTS] + [(f, *l) for f in MOE for l in MOE_LAYOUTS
-                                                                     if f not in MLA or "tp" not in l[1]]
+CASES = [(f, *layout) for f in DENSE for layout in DENSE_LAYOUTS] + [(f, *l) for f in MOE for l in MOE_LAYOUTS]
 
 
 def _id(case):
@@ -88,8 +86,7 @@ GRAD_CASES = [(f, n, lay, w) for f in ("qwen2", "qwen3") for n, lay, w in
               [("tp2", {"tp": 2}, 2), ("pp2", {"pp": 2}, 2), ("pp2vpp2", {"pp": 2, "vpp": 2}, 2),
                ("tp2pp2", {"tp": 2, "pp": 2}, 4), ("tp2pp2vpp2", {"tp": 2, "pp": 2, "vpp": 2}, 4)]]
 GRAD_CASES += [(f, n, lay, w) for f in MOE for n, lay, w in
-               [("ep2", {"ep": 2}, 2), ("tp2ep2", {"tp": 2, "ep": 2}, 4), ("pp2ep2", {"pp": 2, "ep": 2}, 4)]
-               if f not in MLA or "tp" not in lay]
+               [("ep2", {"ep": 2}, 2), ("tp2ep2", {"tp": 2, "ep": 2}, 4), ("pp2ep2", {"pp": 2, "ep": 2}, 4)]]
 GRAD_REFERENCES = [(f, "tp1", {}, 1) for f in dict.fromkeys(f for f, *_ in GRAD_CASES)]
 SUITES = {"logits": (ranks.logits_and_export, CASES), "grads": (ranks.train_grads, GRAD_CASES),
           "grad_reference": (ranks.train_grads, GRAD_REFERENCES)}
@@ -111,14 +108,17 @@ def test_grads_match_single_rank(case):
     assert torch.allclose(torch.stack(losses), torch.stack(reference["losses"]), atol=1e-5)
 
 
-def test_mla_refuses_tensor_parallel_on_cpu():
+def test_mla_refuses_tensor_parallel_without_sequence_parallelism_on_cpu():
+    # The CPU shim mla_rope_key_grad makes MLA's gradients exact at tp > 1 with sequence parallelism (mbridge's
+    # default there); a dense DeepSeek-V3 (no MoE, which would demand sequence parallelism itself) without it is refused.
     from megarl.testing import RankFailure
 
     with pytest.raises(RankFailure) as failure:
-        run_ranks(2, ranks.build, tiny_model_dir("deepseek_v3"), tp=2, load=False)
+        run_ranks(2, ranks.build, tiny_model_dir("deepseek_v3", first_k_dense_replace=4), tp=2, load=False,
+                  sequence_parallel=False)
     message = str(failure.value)
-    assert "ParallelConfigError: parallel.tp=2: deepseek_v3 (multi-latent attention) trains exactly only at tp=1 on " \
-           "CPU" in message and "Fix: set parallel.tp: 1" in message
+    assert "ParallelConfigError: parallel.tp=2: deepseek_v3 (multi-latent attention) needs sequence parallelism at " \
+           "tp > 1 on CPU" in message and "Fix: leave sequence_parallel on" in message
 
 
 def _tied_then_untied(tied_path, untied_path):

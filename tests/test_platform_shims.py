@@ -36,6 +36,28 @@ def save(path, layout, tmp):
     assert not children, f"the synchronous checkpoint save started helper processes: {children}"
 
 
+def grads_match_transformers(path, layout, _tmp):
+    """The Megatron gradients of ranks.train_grads' loss (mean token cross-entropy, averaged over 2 micro-batches)
+    equal the same loss's gradients in Hugging Face transformers."""
+    from transformers import AutoModelForCausalLM
+
+    ours = ranks.train_grads(path, layout, micro_batches=2)["grads"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for ids in ranks.input_batches(n=2, batch=1):
+        logits = model(ids).logits
+        labels = torch.roll(ids, -1, dims=1)
+        (torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()) / 2).backward()
+    reference = dict(model.named_parameters())
+    if torch.distributed.get_rank() != 0:  # the rank that owns (exports) the HF tensors
+        return
+    # transformers 5 keeps the routed experts fused (gate_up_proj): the attention and dense tensors are compared
+    compared = sorted(set(ours) & set(reference))
+    assert any("kv_a_proj_with_mqa" in name for name in compared), compared
+    for name in compared:
+        error = (ours[name] - reference[name].grad).abs().max().item()
+        assert error < 1e-5, f"the gradient of {name} differs from transformers' by {error:.2e}"
+
+
 # shim -> (family, layout, world size, scenario, text expected in the failure once the shim is reverted)
 CASES = {
     "current_device": ("llama", {}, 1, forward, "Torch not compiled with CUDA enabled"),
@@ -49,6 +71,7 @@ CASES = {
     "uneven_collectives": ("qwen3_moe", {"tp": 2, "ep": 2}, 4, train, "invalid tensor size"),
     "cuda_type_names": ("llama", {}, 2, optimizer, "torch.cuda.FloatTensor"),
     "checkpoint_results_queue": ("llama", {}, 1, save, "started helper processes"),
+    "mla_rope_key_grad": ("deepseek_v3", {"tp": 2}, 2, grads_match_transformers, "differs from transformers"),
 }
 
 

@@ -145,15 +145,14 @@ class ModelBridge:
         self.tp, self.tp_rank = pg.tp.size(), pg.tp.rank()
         self.etp, self.etp_rank = pg.expt_tp.size(), pg.expt_tp.rank()
         self.ep, self.ep_rank = pg.ep.size(), pg.ep.rank()
-        if self.config.multi_latent_attention and self.tp > 1 and not platform.on_gpu():
-            # megatron-core 0.19.2's local-spec MLA builds the kv down projection as a ColumnParallelLinear and gathers
-            # its output with gather_from_tensor_model_parallel_region, whose backward keeps this rank's slice of the
-            # gradient: the RoPE key part, shared by every rank's heads, loses the other ranks' share (logits are
-            # right, gradients are not; measured against tp=1). The TE spec replicates the down projections instead.
+        if self.config.multi_latent_attention and self.tp > 1 and not self.config.sequence_parallel \
+                and not platform.on_gpu():
+            # The CPU shim mla_rope_key_grad makes the local MLA's gradients exact with sequence parallelism only (the
+            # layout mbridge sets whenever tp > 1); without it the RoPE key and q_a_layernorm gradients lose the other
+            # TP ranks' share (measured against tp=1).
             raise ParallelConfigError(
-                f"parallel.tp={self.tp}: {hf_config.model_type} (multi-latent attention) trains exactly only at tp=1 "
-                "on CPU (megatron-core's local MLA drops part of the RoPE key's gradient under tensor parallelism). Fix: "
-                "set parallel.tp: 1 and split the model with parallel.ep / parallel.pp.")
+                f"parallel.tp={self.tp}: {hf_config.model_type} (multi-latent attention) needs sequence parallelism "
+                "at tp > 1 on CPU. Fix: leave sequence_parallel on (the default) or set parallel.tp: 1.")
         self.vocab_size = hf_config.vocab_size
         multiple = make_vocab_size_divisible_by * self.tp
         self.padded_vocab_size = int(math.ceil(self.vocab_size / multiple) * multiple)

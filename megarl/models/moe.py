@@ -28,7 +28,8 @@ def _tokens_of(router, per_layer: torch.Tensor) -> torch.Tensor:
     tokens = per_layer.transpose(0, 1)  # [s, b, k]
     if router.config.sequence_parallel:  # the router's own TP group (the model's ProcessGroupCollection)
         tp, rank = router.tp_group.size(), router.tp_group.rank()
-        chunk = tokens.shape[0] // tp
+        chunk = -(-tokens.shape[0] // tp)  # the forward ran right-padded to a multiple of tp (TokenBatch.pad_to_multiple)
+        tokens = torch.cat([tokens, tokens.new_zeros(chunk * tp - tokens.shape[0], *tokens.shape[1:])])
         tokens = tokens[rank * chunk:(rank + 1) * chunk]
     return tokens.reshape(-1, tokens.shape[-1])
 

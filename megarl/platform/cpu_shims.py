@@ -246,6 +246,30 @@ def _tensor_cuda(p: _Patches) -> None:
     p.set(torch.Tensor, "cuda", lambda self, device=None, non_blocking=False, **kwargs: self)
 
 
+# ---------------------------------------------------------------------------------------- multi-latent attention
+def _mla_rope_key_grad(p: _Patches) -> None:
+    from megatron.core.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
+                                                        scatter_to_sequence_parallel_region)
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    original = MLASelfAttention._qkv_down_projection
+
+    def _qkv_down_projection(self, hidden_states):
+        # Return the kv down projection gathered and sequence-sharded, the layout of a replicated down projection:
+        # get_query_key_value_tensors then takes its branch for that layout, whose gather_from_sequence_parallel_region
+        # of the RoPE key sums the key's gradient over the TP ranks on the way back. (gather: backward keeps this
+        # rank's columns; scatter: backward all-gathers the sequence.) Without sequence parallelism (mbridge turns it
+        # on whenever tp > 1; ModelBridge refuses MLA at tp > 1 without it on CPU) nothing changes.
+        q_compressed, kv_combined = original(self, hidden_states)
+        if kv_combined.size(-1) == self.config.kv_lora_rank + self.config.qk_pos_emb_head_dim \
+                or not self.config.sequence_parallel:
+            return q_compressed, kv_combined
+        kv_combined = gather_from_tensor_model_parallel_region(kv_combined, group=self.tp_group)
+        return q_compressed, scatter_to_sequence_parallel_region(kv_combined, group=self.tp_group)
+
+    p.set(MLASelfAttention, "_qkv_down_projection", _qkv_down_projection)
+
+
 # ----------------------------------------------------------------------------------------------- checkpointing
 def _checkpoint_results_queue(p: _Patches) -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -292,6 +316,13 @@ SHIMS: dict[str, Shim] = {s.name: s for s in [
          "tensor_parallel/mappings.py:154/159: the alltoall dispatcher with expert-TP>1 gathers/reduce-scatters "
          "uneven splits; gloo needs equal sizes ('ProcessGroupGloo::allgather: invalid tensor size'). Pads.",
          _uneven_collectives),
+    Shim("mla_rope_key_grad",
+         "transformer/multi_latent_attention.py:739: with the local spec's ColumnParallelLinear kv down projection and "
+         "tp > 1, gather_from_tensor_model_parallel_region's backward keeps this rank's columns of the gradient, and "
+         "the RoPE key (k_pos_emb, shared by every rank's heads) loses the other ranks' share: logits are right, "
+         "gradients are not. The gathered projection takes the replicated-projection branch (line 752), whose "
+         "sequence-parallel gather sums the key's gradient (megarl runs tp > 1 with sequence parallelism).",
+         _mla_rope_key_grad),
     Shim("checkpoint_results_queue",
          "dist_checkpointing/strategies/filesystem_async.py:53-65 get_write_results_queue() starts a spawn-context "
          "multiprocessing.Manager per rank for a synchronous save (a fresh interpreter that re-imports __main__). "
