@@ -17,7 +17,8 @@ from megarl.testing.engines import tiny_engine
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    with tiny_engine("qwen3_moe", str(tmp_path_factory.mktemp("engine-moe"))) as server:
+    with tiny_engine("qwen3_moe", str(tmp_path_factory.mktemp("engine-moe")),
+                     extra_args=("--enable-return-routed-experts",)) as server:
         yield server
 
 
@@ -170,15 +171,24 @@ def test_corrupted_expert_slice_is_detected_and_named(engine):
 
 
 # Each MoE family in a real SGLang CPU engine (fp32, returning its routing), one engine per family for the module
-FAMILIES = ["deepseek_v3", "glm4_moe", "mixtral", "qwen2_moe"]
+FAMILIES = ["deepseek_v3", "glm4_moe", "mixtral", "qwen2_moe", "qwen3_moe"]
 # the trainer's layout for the sync and routing: TP x EP where the family's attention has a TP-specific path (MLA's down
 # projections; GLM's partial RoPE and biases), whose samples (11 and 13 tokens) are padded to the TP size in the forward
 LAYOUTS = {"deepseek_v3": {"tp": 2, "ep": 2}, "glm4_moe": {"tp": 2, "ep": 2}, "mixtral": {"ep": 2},
-           "qwen2_moe": {"ep": 2}}
+           "qwen2_moe": {"ep": 2}, "qwen3_moe": {"tp": 2, "ep": 2}}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_engine(request, tmp_path_factory):
+    if request.param == "qwen3_moe":  # the module's engine serves it: back to the model's own weights first
+        from megarl.rollout import EngineClient
+
+        server = request.getfixturevalue("engine")
+        result = EngineClient(server.url).call("/update_weights_from_disk", {"model_path": tiny_model_dir("qwen3_moe"),
+                                                                             "flush_cache": True})
+        assert result.get("success"), result
+        yield request.param, server
+        return
     with tiny_engine(request.param, str(tmp_path_factory.mktemp(f"engine-{request.param}")),
                      extra_args=("--enable-return-routed-experts",)) as server:
         yield request.param, server
