@@ -44,6 +44,28 @@ def test_dotted_path_and_errors_score_zero():
         pool.close()
 
 
+def _score_in_a_rank():
+    pool = RewardPool("exact_match", workers=1)
+    try:
+        return pool.score([("42", "42"), ("41", "42")])
+    finally:
+        pool.close()
+
+
+def test_a_rank_forked_after_the_parent_used_a_pool_scores_with_its_own():
+    """run_ranks forks the test process: a forkserver the parent started (an earlier test's RewardPool) is not the
+    rank's child, and the rank's pool failed with "ChildProcessError: No child processes" (megarl.testing resets it)."""
+    from megarl.testing import run_ranks
+
+    parent = RewardPool("exact_match", workers=1)
+    try:
+        assert parent.score([("1", "1")]) == [1.0]  # the parent's forkserver is running
+        assert run_ranks(2, _score_in_a_rank) == [[1.0, 0.0]] * 2
+        assert parent.score([("2", "1")]) == [0.0]  # and the parent's is untouched
+    finally:
+        parent.close()
+
+
 def test_hung_reward_is_killed_and_the_worker_keeps_scoring():
     import time
 

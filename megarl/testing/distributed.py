@@ -30,7 +30,23 @@ class RankFailure(AssertionError):
     """One or more ranks failed or hung; the message holds every rank's traceback."""
 
 
+def _forget_parent_forkserver():
+    """A forked rank inherits the parent's multiprocessing forkserver handle (started by a RewardPool in an earlier
+    test), but that server is the parent's child, not the rank's: the rank's first forkserver Process then fails in
+    os.waitpid with "ChildProcessError: No child processes". Python does not reset it at fork; the rank starts its
+    own forkserver instead."""
+    import multiprocessing.forkserver as forkserver
+    import threading
+
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)  # the parent keeps its own copy: its server lives on
+    server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+    server._lock = threading.Lock()  # another thread of the parent may have held it at fork
+
+
 def _child(fn, args, kwargs, rank, world, port, results, stack_file, timeout):
+    _forget_parent_forkserver()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     stacks = open(stack_file, "w")
