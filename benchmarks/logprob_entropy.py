@@ -7,9 +7,13 @@
   0.5B's LM head; megarl.losses.fused_linear, the logits never exist) vs "naive-matmul": the LM-head matmul, then the
   naive path. Both put the weight's gradient where a Megatron trainer does, into a `main_grad` buffer allocated (and
   touched) before the measurement, so that buffer is not counted on either side.
+- impl "topk" (on-policy distillation's `opd_top_k`): the fused path's log-probs of the sampled token and the
+  teacher's top-k tokens (--top-k, default 8) in one pass over the vocabulary (targets [tokens, 1 + k]) vs "topk-loop":
+  1 + k passes, one per target column (what the loss did before). Run it with fewer tokens (--tokens 512).
 
     .venv/bin/python benchmarks/logprob_entropy.py [--tokens 4096] [--vocab 151936] [--hidden 896] [--repeats 2]
-                                                   [--impl megarl|fused]  (one comparison; the JSON keeps the other)
+                                                   [--impl megarl|fused|topk] [--top-k 8]
+                                                   (one comparison; the JSON keeps the others)
 
 Each measurement runs in a fresh process with one thread; the --repeats runs of an impl alternate with those of its
 naive reference, and each side keeps its best time. Peak memory is the process's peak resident memory minus
@@ -55,7 +59,8 @@ def _linear_into_main_grad():
     return Linear.apply
 
 
-def worker(impl: str, tokens: int, vocab: int, hidden_size: int, tp: int, rank: int, port: int, repeats: int) -> None:
+def worker(impl: str, tokens: int, vocab: int, hidden_size: int, tp: int, rank: int, port: int, repeats: int,
+           top_k: int) -> None:
     import torch
     import torch.distributed as dist
 
@@ -64,12 +69,13 @@ def worker(impl: str, tokens: int, vocab: int, hidden_size: int, tp: int, rank: 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
     from megarl.losses import vocab_parallel_logprob_entropy
     from megarl.losses.fused_linear import fused_logprob_entropy
-    if impl == "fused" and tp > 1:  # imported before the baseline, like the rest of the code
+    if impl != "megarl" and tp > 1:  # imported before the baseline, like the rest of the code
         import megatron.core.tensor_parallel.mappings  # noqa: F401  (its TP all-reduce of grad_hidden)
 
     group = dist.group.WORLD if tp > 1 else None
     g = torch.Generator().manual_seed(0)
-    targets = torch.randint(0, vocab, (tokens,), generator=g)
+    targets = torch.randint(0, vocab, (tokens,) if impl not in ("topk", "topk-loop") else (tokens, 1 + top_k),
+                            generator=g)
     per_rank = vocab // tp
     if impl in ("naive", "megarl"):
         logits = torch.randn(tokens, per_rank, generator=g)  # this rank's slice
@@ -97,11 +103,17 @@ def worker(impl: str, tokens: int, vocab: int, hidden_size: int, tp: int, rank: 
         elif impl == "megarl":
             x = logits.detach().requires_grad_(True)
             log_prob, entropy = vocab_parallel_logprob_entropy(x, targets, vocab_size=vocab, group=group)
-        else:  # fused
+        else:  # fused, topk, topk-loop
             x = hidden.detach().requires_grad_(True)
             w = weight.detach().requires_grad_(True)
             w.main_grad = weight.main_grad
-            log_prob, entropy = fused_logprob_entropy(x, w, targets, vocab_size=vocab, group=group)
+            if impl == "topk-loop":  # one pass per target column; entropy from the first, as the loss used it
+                passes = [fused_logprob_entropy(x, w, targets[:, j].contiguous(), vocab_size=vocab, group=group)
+                          for j in range(targets.shape[1])]
+                log_prob, entropy = torch.stack([lp for lp, _ in passes], -1), passes[0][1]
+                del passes
+            else:
+                log_prob, entropy = fused_logprob_entropy(x, w, targets, vocab_size=vocab, group=group)
         (log_prob.sum() + entropy.sum()).backward()
         best = min(best, time.perf_counter() - start)
         del x, log_prob, entropy
@@ -111,28 +123,31 @@ def worker(impl: str, tokens: int, vocab: int, hidden_size: int, tp: int, rank: 
         dist.destroy_process_group()
 
 
-def run(impl, tokens, vocab, hidden, tp, repeats):
+def run(impl, tokens, vocab, hidden, tp, repeats, top_k):
     port = 29600 + (hash((impl, tp)) % 300)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", impl, str(tokens), str(vocab), str(hidden),
-                               str(tp), str(r), str(port), str(repeats)], stdout=subprocess.PIPE, env=env, text=True)
+                               str(tp), str(r), str(port), str(repeats), str(top_k)], stdout=subprocess.PIPE, env=env,
+                              text=True)
              for r in range(tp)]
     outs = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
     return {"time_s": max(o["time_s"] for o in outs), "peak_extra_mb": max(o["peak_extra_mb"] for o in outs)}
 
 
-COMPARISONS = {"megarl": "naive", "fused": "naive-matmul"}  # impl -> the naive reference its ratios are taken against
+# impl -> the reference its ratios are taken against
+COMPARISONS = {"megarl": "naive", "fused": "naive-matmul", "topk": "topk-loop"}
 
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        impl, tokens, vocab, hidden, tp, rank, port, repeats = sys.argv[2], *map(int, sys.argv[3:])
-        return worker(impl, tokens, vocab, hidden, tp, rank, port, repeats)
+        impl, tokens, vocab, hidden, tp, rank, port, repeats, top_k = sys.argv[2], *map(int, sys.argv[3:])
+        return worker(impl, tokens, vocab, hidden, tp, rank, port, repeats, top_k)
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--hidden", type=int, default=896)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--top-k", type=int, default=8, help="impl topk: the teacher's top-k per position")
     parser.add_argument("--impl", action="append", choices=list(COMPARISONS),
                         help="measure only this comparison (repeatable; default: all); the JSON keeps the other rows")
     args = parser.parse_args()
@@ -145,13 +160,15 @@ def main():
     cases = []
     print(f"{'tp':>3} {'impl':>12} {'time s':>8} {'peak MB':>9} {'time ratio':>11} {'mem ratio':>10}")
     for impl in impls:
-        naive_impl, extra = COMPARISONS[impl], {"hidden": args.hidden} if impl == "fused" else {}
+        naive_impl, extra = COMPARISONS[impl], {"hidden": args.hidden} if impl != "megarl" else {}
+        if impl == "topk":
+            extra["top_k"] = args.top_k
         # Repeats alternate between the naive reference and the impl (best time, highest peak of each), so a change
         # in the load of this shared machine hits both sides alike.
         measured = {}
         for _ in range(args.repeats):
             for key, (name, tp) in {"naive": (naive_impl, 1), 1: (impl, 1), 2: (impl, 2)}.items():
-                new = run(name, args.tokens, args.vocab, args.hidden, tp, 1)
+                new = run(name, args.tokens, args.vocab, args.hidden, tp, 1, args.top_k)
                 old = measured.get(key, new)
                 measured[key] = {"time_s": min(old["time_s"], new["time_s"]),
                                  "peak_extra_mb": max(old["peak_extra_mb"], new["peak_extra_mb"])}
@@ -171,7 +188,8 @@ def main():
     with open(path, "w") as f:
         json.dump({"cases": cases, "note": "ratios are megarl or fused (per rank) / its naive counterpart on the full "
                    "vocabulary on one rank: naive (log_softmax + gather + entropy on given logits) for impl megarl, "
-                   "naive-matmul (the LM-head matmul hidden @ weight.T, then the same) for impl fused. The weight's "
+                   "naive-matmul (the LM-head matmul hidden @ weight.T, then the same) for impl fused, topk-loop (the fused "
+                   "path once per target column, 1 + top_k passes) for impl topk. The weight's "
                    "gradient goes into a preallocated main_grad on both sides and is not counted. (A naive TP=2 run "
                    "would all-gather the vocabulary on each rank: the same work and ~2x the memory of naive TP=1 per "
                    "rank, which two ranks cannot fit in this machine's 24 GiB.)"}, f, indent=1)

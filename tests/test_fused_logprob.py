@@ -1,7 +1,7 @@
 """Fused output-layer log-probs (megarl.losses.fused_linear): values and gradients against the logits path.
 
 Unit level: fused_logprob_entropy(hidden, weight) against a naive full-vocabulary log_softmax of hidden @ weight.T
-(temperature != 1, padded vocabulary rows), at TP=1 and TP=2 (vocabulary split, with and without sequence
+(temperature != 1, padded vocabulary rows, one target per position or K), at TP=1 and TP=2 (vocabulary split, with and without sequence
 parallelism), and Megatron's main_grad protocol (tied and untied weight). Model level: a GPTModel's RL loss,
 gradients (HF-named, after Megatron's finalize_model_grads) and forward-only log-probs with algorithm.fused_logprobs
 on and off, tied and untied, at TP=1, TP=2 (sequence parallel) and PP=2.
@@ -21,20 +21,24 @@ from rl_batch import TEMPERATURE, rl_token_batch
 VOCAB, PADDED, HIDDEN, SEQ, BATCH = 50, 64, 24, 6, 2  # 14 padded rows, as Megatron's vocabulary padding leaves
 
 
-def _inputs(seed=0):
+def _inputs(seed=0, k=None):
+    """k None: one target per position; k: [s, b, k] targets, the last column repeating the first."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=g)  # [s, b, h] as GPTModel's decoder hands it over
     weight = 0.5 * torch.randn(PADDED, HIDDEN, generator=g)
     weight[VOCAB:] = 1.0  # padded rows must not count, whatever they hold
-    targets = torch.randint(0, VOCAB, (SEQ, BATCH), generator=g)
-    w_lp, w_h = torch.randn(SEQ, BATCH, generator=g), torch.randn(SEQ, BATCH, generator=g)
+    shape = (SEQ, BATCH) if k is None else (SEQ, BATCH, k)
+    targets = torch.randint(0, VOCAB, shape, generator=g)
+    if k is not None:
+        targets[..., -1] = targets[..., 0]  # a repeated id: its gradients must add up
+    w_lp, w_h = torch.randn(shape, generator=g), torch.randn(SEQ, BATCH, generator=g)
     return hidden, weight, targets, w_lp, w_h
 
 
 def _naive(hidden, weight, targets, w_lp, w_h, temperature):
     hidden, weight = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     logp_all = torch.log_softmax((hidden @ weight.t())[..., :VOCAB] / temperature, dim=-1)
-    log_prob = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+    log_prob = logp_all.gather(-1, targets.reshape(SEQ, BATCH, -1)).reshape(targets.shape)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     ((w_lp * log_prob).sum() + (w_h * entropy).sum()).backward()
     return log_prob.detach(), entropy.detach(), hidden.grad, weight.grad
@@ -54,9 +58,9 @@ def _close(a, b, atol=1e-5):
     return torch.allclose(a, b, atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_single_rank_matches_naive(temperature):
-    args = _inputs()
+@pytest.mark.parametrize("temperature,k", [(1.0, None), (0.7, None), (0.7, 4)])
+def test_single_rank_matches_naive(temperature, k):
+    args = _inputs(k=k)
     ref = _naive(*args, temperature)
     ours = _fused(*args, temperature)
     for a, b in zip(ours, ref):
@@ -90,12 +94,12 @@ def test_main_grad_protocol_untied_and_tied():
             assert w.grad.shape == w.shape  # the placeholder the hook skips
 
 
-def _tp2(temperature, sequence_parallel):
+def _tp2(temperature, sequence_parallel, k):
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    hidden, weight, targets, w_lp, w_h = _inputs()
+    hidden, weight, targets, w_lp, w_h = _inputs(k=k)
     shard = weight[rank * PADDED // 2:(rank + 1) * PADDED // 2]
     if sequence_parallel:  # this rank's half of the sequence (dim 0)
         hidden = hidden[rank * SEQ // 2:(rank + 1) * SEQ // 2]
@@ -103,12 +107,12 @@ def _tp2(temperature, sequence_parallel):
                   sequence_parallel=sequence_parallel)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tp2_matches_naive(sequence_parallel):
-    ref_lp, ref_h, ref_hgrad, ref_wgrad = _naive(*_inputs(), 0.7)
-    results = run_ranks(2, _tp2, 0.7, sequence_parallel)
+@pytest.mark.parametrize("sequence_parallel,k", [(False, None), (True, None), (True, 3)])
+def test_tp2_matches_naive(sequence_parallel, k):
+    ref_lp, ref_h, ref_hgrad, ref_wgrad = _naive(*_inputs(k=k), 0.7)
+    results = run_ranks(2, _tp2, 0.7, sequence_parallel, k)
     for rank, (log_prob, entropy, hgrad, wgrad) in enumerate(results):
-        assert _close(log_prob, ref_lp) and _close(entropy, ref_h)
+        assert log_prob.shape == ref_lp.shape and _close(log_prob, ref_lp) and _close(entropy, ref_h)
         # grad_hidden summed over both vocabulary halves (all-reduce, or reduce-scatter of the sequence)
         expected = ref_hgrad[rank * SEQ // 2:(rank + 1) * SEQ // 2] if sequence_parallel else ref_hgrad
         assert _close(hgrad, expected)

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .vocab_parallel import (_chunk_grad, _chunk_sums, _combine, _merge, _output_grads, _prepare, _target_slots,
-                             _tp_rank, vocab_parallel_logprob_entropy)
+from .vocab_parallel import (_chunk_grad, _chunk_sums, _combine, _flat_targets, _merge, _output_grads, _prepare,
+                             _target_slots, _tp_rank, vocab_parallel_logprob_entropy)
 
 CHUNK_BYTES = 64 << 20  # one [tokens, vocabulary] float32 tile: 4,096 tokens x 4,096 vocabulary rows
 VOCAB_BLOCK = 4096  # vocabulary rows per tile (the default token chunk fills CHUNK_BYTES with them)
@@ -59,7 +59,7 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
         vocab_start = _tp_rank(group) * per_rank
         n = hidden.shape[0]
         local_max = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        sums = torch.zeros(3, n, dtype=torch.float32, device=hidden.device)
+        sums = torch.zeros(2 + targets.shape[1], n, dtype=torch.float32, device=hidden.device)
         logits, scratch = _buffers(min(chunk, n), min(block, per_rank), weight, hidden)
         for rows, cols in _tiles(n, per_rank, chunk, block):
             c, v = rows.stop - rows.start, cols.stop - cols.start
@@ -85,7 +85,7 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
         temperature, vocab_start, vocab_size, chunk, block, weight_shared = ctx.config
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         n, per_rank = hidden.shape[0], weight.shape[0]
-        g_lp, g_h = _output_grads(grad_log_prob, grad_entropy, log_z)
+        g_lp, g_h = _output_grads(grad_log_prob, grad_entropy, targets, entropy)
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         wgrad = None
         if need_weight:  # accumulated in float32 (in place into main_grad when the parameter has one)
@@ -124,11 +124,14 @@ def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
                           temperature: float = 1.0, group=None, sequence_parallel: bool = False,
                           weight_shared: bool = False, chunk_tokens: int | None = None,
                           vocab_block: int = VOCAB_BLOCK, chunk_bytes: int = CHUNK_BYTES):
-    """(log p(target), entropy) per token, shaped like `targets`, from hidden @ weight.T without materialising it.
+    """(log p(target), entropy) per position from hidden @ weight.T without materialising it: log p shaped like
+    `targets` (one per position, or [..., K]: K per position, from the same pass), entropy like hidden without its
+    last dimension.
 
     hidden: [..., h], the final hidden states (after the final norm) that the output layer would read; with
     sequence_parallel, [s/tp, ...] this rank's slice of the sequence (dim 0), all-gathered here as Megatron's
-    ColumnParallelLinear does. targets: global token ids shaped like the (gathered) hidden without its last dim.
+    ColumnParallelLinear does. targets: global token ids shaped like the (gathered) hidden without its last dim, or
+    with a trailing K.
     weight: [vocab/tp, h] this TP rank's slice of the (padded) output weight. vocab_size: the true vocabulary size;
     padded rows are excluded. temperature: logits / T as the rollout engine sampled them. group: the TP group (None:
     the whole vocabulary is local). weight_shared: the weight also gets a gradient through autograd from another use
@@ -144,15 +147,17 @@ def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
 
         hidden = (gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=group)
                   if sequence_parallel else copy_to_tensor_model_parallel_region(hidden, group=group))
-    if tuple(hidden.shape[:-1]) != tuple(targets.shape):
+    try:
+        flat_targets, lp_shape = _flat_targets(targets, hidden.shape[:-1])
+    except ValueError:
         raise ValueError(f"hidden states {list(hidden.shape)} do not match targets {list(targets.shape)}: one hidden "
-                         "vector per target token is needed")
+                         "vector per target position is needed") from None
     block = max(1, min(int(vocab_block), weight.shape[0]))
     chunk = int(chunk_tokens) if chunk_tokens else max(1, chunk_bytes // (4 * block))
     log_prob, entropy = _FusedLinearLogProbEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), float(temperature), int(vocab_size), group,
+        hidden.reshape(-1, hidden.shape[-1]), weight, flat_targets, float(temperature), int(vocab_size), group,
         chunk, block, bool(weight_shared))
-    return log_prob.reshape(targets.shape), entropy.reshape(targets.shape)
+    return log_prob.reshape(lp_shape), entropy.reshape(hidden.shape[:-1])
 
 
 @dataclass
@@ -178,11 +183,12 @@ def head_input(*, hidden_states, output_layer, output_weight, config, **_):
 
 def logprob_entropy(output, targets: torch.Tensor, *, vocab_size: int, temperature: float = 1.0, group=None):
     """(log p(target), entropy) [b, s] from a GPTModel's last-stage output: this rank's logits [b, s, vocab/tp]
-    (vocab_parallel_logprob_entropy) or a HeadInput (fused_logprob_entropy). group: the TP group."""
+    (vocab_parallel_logprob_entropy) or a HeadInput (fused_logprob_entropy). targets [b, s], or [b, s, K] for K
+    targets per position (log p [b, s, K], one pass over the vocabulary for all). group: the TP group."""
     if isinstance(output, HeadInput):  # hidden states are [s, b, h]: work in that order, hand back [b, s]
         log_prob, entropy = fused_logprob_entropy(
-            output.hidden, output.weight, targets.t(), vocab_size=vocab_size, temperature=temperature, group=group,
-            sequence_parallel=output.sequence_parallel, weight_shared=output.weight_shared)
-        return log_prob.t(), entropy.t()
+            output.hidden, output.weight, targets.transpose(0, 1), vocab_size=vocab_size, temperature=temperature,
+            group=group, sequence_parallel=output.sequence_parallel, weight_shared=output.weight_shared)
+        return log_prob.transpose(0, 1), entropy.t()
     return vocab_parallel_logprob_entropy(output, targets, vocab_size=vocab_size, temperature=temperature,
                                           group=group)

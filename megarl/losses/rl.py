@@ -329,21 +329,17 @@ def make_loss_func(batch: TokenBatch, cfg: AlgorithmConfig | None, *, num_microb
     temperature = temperature if temperature is not None else (cfg.temperature if cfg is not None else 1.0)
     fn = OBJECTIVES[objective]
 
-    def log_prob_entropy(output, token_ids: torch.Tensor):  # [b, s] each
+    def loss_func(output):
+        token_ids, extra = batch.targets, {}  # [b, s]
+        top_k = batch.teacher_top_ids is not None and objective == "rl"
+        if top_k:  # opd_top_k: the policy's log-probs of the teacher's top-k tokens too, from the same vocabulary pass
+            token_ids = torch.cat([token_ids[..., None], batch.teacher_top_ids], dim=-1)  # [b, s, 1 + k]
         log_prob, entropy = logprob_entropy(output, token_ids if packing is None else packing.pack(token_ids),
                                             vocab_size=vocab_size, temperature=temperature, group=tp_group)
-        return (log_prob, entropy) if packing is None else (packing.unpack(log_prob), packing.unpack(entropy))
-
-    def loss_func(output):
-        log_prob, entropy = log_prob_entropy(output, batch.targets)
-        extra = {}
-        if batch.teacher_top_ids is not None and objective == "rl":
-            # opd_top_k: the policy's log-prob of each of the teacher's top-k tokens, one more pass over the
-            # vocabulary (vocab-parallel, as the targets') per column; a fused top-k gather would share the
-            # normaliser if k grows large
-            extra["student_top_log_probs"] = torch.stack(
-                [log_prob_entropy(output, batch.teacher_top_ids[..., j].contiguous())[0]
-                 for j in range(batch.teacher_top_ids.shape[-1])], dim=-1)
+        if packing is not None:
+            log_prob, entropy = packing.unpack(log_prob), packing.unpack(entropy)
+        if top_k:
+            log_prob, extra["student_top_log_probs"] = log_prob[..., 0], log_prob[..., 1:]
         loss, metrics = fn(log_prob, entropy, batch, cfg, cp_group=cp_group, **extra)
         metrics["loss"] = torch.stack([loss.detach(), torch.ones(())])
         return loss * (num_microbatches * dp_size), metrics

@@ -37,28 +37,30 @@ def _prepare(x, temperature, vocab_start, vocab_size, *, owned, writable=False):
 
 
 def _target_slots(targets, vocab_start, per_rank):
-    """(column of each target in this rank's slice, clamped to a valid index; whether the target is on this rank)."""
+    """(column of each target in this rank's slice, clamped to a valid index; whether the target is on this rank),
+    both shaped like targets ([tokens, K]: K targets per token)."""
     local_t = targets - vocab_start
     on_rank = (local_t >= 0) & (local_t < per_rank)
     return local_t.clamp(0, per_rank - 1), on_rank
 
 
 def _chunk_sums(x, local_t, on_rank, overwrite=False, scratch=None):
-    """Per token of a prepared chunk x [c, vocab/tp] (overwritten when `overwrite`): its max m over this rank's columns,
-    and [sum exp(x - m), sum exp(x - m) * (x - m), the target's x (0 when it is not on this rank)] as a [3, c] tensor.
-    scratch: an x-sized float32 buffer to reuse for exp(x - m) (None: a new tensor)."""
-    picked = x.gather(-1, local_t[:, None]).squeeze(-1)
+    """Per token of a prepared chunk x [c, vocab/tp] (overwritten when `overwrite`) with K targets each (local_t,
+    on_rank: [c, K]): its max m over this rank's columns, and [sum exp(x - m), sum exp(x - m) * (x - m), each target's
+    x (0 when it is not on this rank)] as a [2 + K, c] tensor. scratch: an x-sized float32 buffer to reuse for
+    exp(x - m) (None: a new tensor)."""
+    picked = x.gather(-1, local_t)
     m = x.amax(dim=-1)
     # <= 0: sums relative to the max keep the entropy free of cancellation
     shifted = x.sub_(m[:, None]) if overwrite else x - m[:, None]
     e = torch.exp(shifted, out=scratch) if scratch is not None else shifted.exp()
     sum_e = e.sum(-1)
-    return m, torch.stack([sum_e, e.mul_(shifted).sum(-1),  # sum e*(x-m), in e's buffer (faster than a row-wise dot)
-                           torch.where(on_rank, picked, torch.zeros_like(picked))])
+    return m, torch.cat([torch.stack([sum_e, e.mul_(shifted).sum(-1)]),  # sum e*(x-m) in e's buffer (faster than a dot)
+                      torch.where(on_rank, picked, torch.zeros_like(picked)).t()])
 
 
 def _rescale(sums, offset):
-    """_chunk_sums' [3, c] sums relative to a max m, moved in place to a max M >= m (offset = m - M <= 0):
+    """_chunk_sums' [2 + K, c] sums relative to a max m, moved in place to a max M >= m (offset = m - M <= 0):
     sum exp(x - M) = scale s, sum exp(x - M) (x - M) = scale (A + offset s), with scale = exp(offset)."""
     scale = torch.exp(offset)
     sums[1] = scale * (sums[1] + offset * sums[0])
@@ -67,33 +69,33 @@ def _rescale(sums, offset):
 
 
 def _merge(max_a, sums_a, max_b, sums_b):
-    """The sums of two column blocks of the same tokens (each relative to its own max) as one: (max, [3, c] sums)."""
+    """The sums of two column blocks of the same tokens (each relative to its own max) as one: (max, [2 + K, c])."""
     top = torch.maximum(max_a, max_b)
     return top, _rescale(sums_a, max_a - top).add_(_rescale(sums_b, max_b - top))
 
 
 def _combine(local_max, sums, group):
-    """(log p(target), entropy, log Z) per token from every rank's _chunk_sums (two small all-reduces over group).
+    """(log p(target) [c, K], entropy [c], log Z [c]) from every rank's _chunk_sums (two small all-reduces over group).
 
     Combine the ranks at the global max M (_rescale): S = sum_r scale_r s_r, sum_j p_j (x_j - M) =
     sum_r scale_r (A_r + (m_r - M) s_r) / S, with scale_r = exp(m_r - M)."""
     global_max = _all_reduce(local_max.clone(), dist.ReduceOp.MAX, group)
     _all_reduce(_rescale(sums, local_max - global_max), dist.ReduceOp.SUM, group)
-    sum_exp, sum_p_shifted, target_logit = sums
+    sum_exp, sum_p_shifted, target_logits = sums[0], sums[1], sums[2:]
     log_z = global_max + torch.log(sum_exp)
-    return target_logit - log_z, torch.log(sum_exp) - sum_p_shifted / sum_exp, log_z  # H = log S - E_p[x - M]
+    return (target_logits - log_z).t(), torch.log(sum_exp) - sum_p_shifted / sum_exp, log_z  # H = log S - E_p[x - M]
 
 
 def _chunk_grad(y, log_z, entropy, g_lp, g_h, local_t, on_rank, temperature, scratch=None):
-    """d(sum g_lp log p(target) + g_h H)/d(raw logits) of a chunk, from its prepared writable copy y (overwritten and
-    returned). scratch: a y-sized float32 buffer to reuse for p (None: a new tensor)."""
+    """d(sum_k g_lp[:, k] log p(target k) + g_h H)/d(raw logits) of a chunk (g_lp, local_t, on_rank: [c, K]), from its
+    prepared writable copy y (overwritten and returned). scratch: a y-sized float32 buffer to reuse for p (None: a new
+    tensor)."""
     y = y.sub_(log_z[:, None])  # log p
     p = torch.exp(y, out=scratch) if scratch is not None else y.exp()
-    # dlogp/dx = onehot - p; dH/dx = p (E[x] - x) = p (-H - log p).
-    # g = p (g_h (-H - log p) - g_lp) = p (-g_h log p - (g_h H + g_lp)): three passes over the chunk
-    g = y.mul_(-g_h[:, None]).sub_((g_h * entropy + g_lp)[:, None]).mul_(p)
-    rows = torch.nonzero(on_rank).squeeze(-1)
-    g[rows, local_t[rows]] += g_lp[rows]
+    # dlogp_k/dx = onehot_k - p; dH/dx = p (E[x] - x) = p (-H - log p).
+    # g = p (g_h (-H - log p) - sum_k g_lp_k) + sum_k g_lp_k onehot_k: three passes over the chunk, then the targets
+    g = y.mul_(-g_h[:, None]).sub_((g_h * entropy + g_lp.sum(-1))[:, None]).mul_(p)
+    g.scatter_add_(1, local_t, torch.where(on_rank, g_lp, torch.zeros_like(g_lp)))  # adds up repeated targets
     if temperature != 1.0:
         g.div_(temperature)
     return g
@@ -109,9 +111,21 @@ def _tp_rank(group) -> int:
     return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
 
 
-def _output_grads(grad_log_prob, grad_entropy, like):
-    return (grad_log_prob.float() if grad_log_prob is not None else torch.zeros_like(like),
-            grad_entropy.float() if grad_entropy is not None else torch.zeros_like(like))
+def _output_grads(grad_log_prob, grad_entropy, targets, entropy):
+    return (grad_log_prob.float() if grad_log_prob is not None else torch.zeros_like(targets, dtype=torch.float32),
+            grad_entropy.float() if grad_entropy is not None else torch.zeros_like(entropy))
+
+
+def _flat_targets(targets, lead_shape):
+    """targets shaped like the logits without their vocabulary (one per position) or with a trailing K (K per
+    position) -> ([tokens, K], the shape log p comes back in)."""
+    lead_shape = tuple(lead_shape)
+    if tuple(targets.shape) == lead_shape:
+        return targets.reshape(-1, 1), lead_shape
+    if targets.dim() == len(lead_shape) + 1 and tuple(targets.shape[:-1]) == lead_shape:
+        return targets.reshape(-1, targets.shape[-1]), tuple(targets.shape)
+    raise ValueError(f"targets {list(targets.shape)} do not match the positions {list(lead_shape)}: one target per "
+                     "position, or K per position in a trailing dimension")
 
 
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
@@ -121,7 +135,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         vocab_start = _tp_rank(group) * per_rank
         n = logits.shape[0]
         local_max = torch.empty(n, dtype=torch.float32, device=logits.device)
-        sums = torch.zeros(3, n, dtype=torch.float32, device=logits.device)
+        sums = torch.zeros(2 + targets.shape[1], n, dtype=torch.float32, device=logits.device)
         local_t, on_rank = _target_slots(targets, vocab_start, per_rank)
         for start in range(0, n, chunk_size):  # one pass over the logits
             end = min(n, start + chunk_size)
@@ -138,7 +152,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         temperature, vocab_start, vocab_size, chunk_size = ctx.config
         grad = torch.empty_like(logits)
         local_t, on_rank = _target_slots(targets, vocab_start, logits.shape[-1])
-        g_lp, g_h = _output_grads(grad_log_prob, grad_entropy, log_z)
+        g_lp, g_h = _output_grads(grad_log_prob, grad_entropy, targets, entropy)
         for start in range(0, logits.shape[0], chunk_size):
             end = min(logits.shape[0], start + chunk_size)
             y = _prepare(logits[start:end], temperature, vocab_start, vocab_size, owned=False, writable=True)
@@ -150,10 +164,11 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
 def vocab_parallel_logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int,
                                    temperature: float = 1.0, group=None, chunk_size: int | None = None,
                                    chunk_bytes: int = 32 << 20):
-    """(log p(target), entropy) per token, both [...] like `targets`, differentiable w.r.t. logits.
+    """(log p(target), entropy) per position, differentiable w.r.t. logits: [...] each, or with K targets per position
+    ([..., K] targets) log p [..., K] and entropy [...], from one pass over the logits.
 
     logits: [..., vocab/tp] this TP rank's vocabulary slice (rank r holds columns [r*V/tp, (r+1)*V/tp)).
-    targets: [...] global token ids. temperature: the sampling temperature the rollout engine used (logits / T).
+    targets: [...] or [..., K] global token ids. temperature: the sampling temperature the rollout engine used (logits / T).
     vocab_size: the true vocabulary size; padded columns past it are excluded. group: the TP process group
     (megatron.core.parallel_state.get_tensor_model_parallel_group()); None means the whole vocabulary is local.
     chunk_size: tokens processed at once; by default as many as fit `chunk_bytes` per [chunk, vocab/tp] float32
@@ -161,10 +176,10 @@ def vocab_parallel_logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, 
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    shape = targets.shape
+    flat_targets, lp_shape = _flat_targets(targets, logits.shape[:-1])
     flat_logits = logits.reshape(-1, logits.shape[-1])
     if chunk_size is None:
         chunk_size = max(1, chunk_bytes // (4 * flat_logits.shape[-1]))
-    log_prob, entropy = _VocabParallelLogProbEntropy.apply(flat_logits, targets.reshape(-1), float(temperature),
+    log_prob, entropy = _VocabParallelLogProbEntropy.apply(flat_logits, flat_targets, float(temperature),
                                                            int(vocab_size), group, int(chunk_size))
-    return log_prob.reshape(shape), entropy.reshape(shape)
+    return log_prob.reshape(lp_shape), entropy.reshape(logits.shape[:-1])
