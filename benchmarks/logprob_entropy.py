@@ -188,9 +188,9 @@ def main():
     with open(path, "w") as f:
         json.dump({"cases": cases, "note": "ratios are megarl or fused (per rank) / its naive counterpart on the full "
                    "vocabulary on one rank: naive (log_softmax + gather + entropy on given logits) for impl megarl, "
-                   "naive-matmul (the LM-head matmul hidden @ weight.T, then the same) for impl fused, topk-loop (the fused "
-                   "path once per target column, 1 + top_k passes) for impl topk. The weight's "
-                   "gradient goes into a preallocated main_grad on both sides and is not counted. (A naive TP=2 run "
+                   "naive-matmul (the LM-head matmul hidden @ weight.T, then the same) for impl fused, topk-loop "
+                   "(the fused path once per target column, 1 + top_k passes) for impl topk. The weight's gradient "
+                   "goes into a preallocated main_grad on both sides and is not counted. (A naive TP=2 run "
                    "would all-gather the vocabulary on each rank: the same work and ~2x the memory of naive TP=1 per "
                    "rank, which two ranks cannot fit in this machine's 24 GiB.)"}, f, indent=1)
     print(f"wrote {path}")

@@ -1,8 +1,9 @@
 """Fused output-layer log-probs (megarl.losses.fused_linear): values and gradients against the logits path.
 
 Unit level: fused_logprob_entropy(hidden, weight) against a naive full-vocabulary log_softmax of hidden @ weight.T
-(temperature != 1, padded vocabulary rows, one target per position or K), at TP=1 and TP=2 (vocabulary split, with and without sequence
-parallelism), and Megatron's main_grad protocol (tied and untied weight). Model level: a GPTModel's RL loss,
+(temperature != 1, padded vocabulary rows, one target per position or K), at TP=1 and TP=2 (vocabulary split, with
+and without sequence parallelism), and Megatron's main_grad protocol (tied and untied weight). Model level: a
+GPTModel's RL loss,
 gradients (HF-named, after Megatron's finalize_model_grads) and forward-only log-probs with algorithm.fused_logprobs
 on and off, tied and untied, at TP=1, TP=2 (sequence parallel) and PP=2.
 """

@@ -18,7 +18,8 @@ def _inputs(seed=0, k=None):
     targets = torch.randint(0, VOCAB, shape, generator=g)
     if k is not None:
         targets[..., -1] = targets[..., 0]  # a repeated id: its gradients must add up
-    w_lp, w_h = torch.randn(shape, generator=g, dtype=torch.float32), torch.randn(2, 7, generator=g, dtype=torch.float32)
+    w_lp = torch.randn(shape, generator=g, dtype=torch.float32)
+    w_h = torch.randn(2, 7, generator=g, dtype=torch.float32)
     return logits, targets, w_lp, w_h
 
 

@@ -168,7 +168,8 @@ def vocab_parallel_logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, 
     ([..., K] targets) log p [..., K] and entropy [...], from one pass over the logits.
 
     logits: [..., vocab/tp] this TP rank's vocabulary slice (rank r holds columns [r*V/tp, (r+1)*V/tp)).
-    targets: [...] or [..., K] global token ids. temperature: the sampling temperature the rollout engine used (logits / T).
+    targets: [...] or [..., K] global token ids. temperature: the sampling temperature the rollout engine used
+    (logits / T).
     vocab_size: the true vocabulary size; padded columns past it are excluded. group: the TP process group
     (megatron.core.parallel_state.get_tensor_model_parallel_group()); None means the whole vocabulary is local.
     chunk_size: tokens processed at once; by default as many as fit `chunk_bytes` per [chunk, vocab/tp] float32
