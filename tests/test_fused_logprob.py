@@ -70,6 +70,12 @@ def test_single_rank_matches_naive(temperature, k):
     assert ref[1].mean() > 0.1 and ref[2].abs().max() > 0.1 and ref[3].abs().max() > 0.1  # non-trivial
 
 
+def test_targets_must_match_the_hidden_positions():
+    hidden, weight, _, _, _ = _inputs()
+    with pytest.raises(ValueError, match=r"targets \[6, 3\] do not match the positions \[6, 2\] of the hidden states"):
+        fused_logprob_entropy(hidden, weight, torch.zeros(SEQ, 3, dtype=torch.long), vocab_size=VOCAB)
+
+
 def test_main_grad_protocol_untied_and_tied():
     """With a Megatron main_grad the weight gradient is added into it; DDP's hook must see a placeholder it skips
     (untied), or the embedding's own gradient it must add (weight_shared: tied on the same stage)."""

@@ -147,11 +147,7 @@ def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
 
         hidden = (gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=group)
                   if sequence_parallel else copy_to_tensor_model_parallel_region(hidden, group=group))
-    try:
-        flat_targets, lp_shape = _flat_targets(targets, hidden.shape[:-1])
-    except ValueError:
-        raise ValueError(f"hidden states {list(hidden.shape)} do not match targets {list(targets.shape)}: one hidden "
-                         "vector per target position is needed") from None
+    flat_targets, lp_shape = _flat_targets(targets, hidden.shape[:-1], source="hidden states")
     block = max(1, min(int(vocab_block), weight.shape[0]))
     chunk = int(chunk_tokens) if chunk_tokens else max(1, chunk_bytes // (4 * block))
     log_prob, entropy = _FusedLinearLogProbEntropy.apply(

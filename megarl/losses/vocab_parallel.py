@@ -116,16 +116,16 @@ def _output_grads(grad_log_prob, grad_entropy, targets, entropy):
             grad_entropy.float() if grad_entropy is not None else torch.zeros_like(entropy))
 
 
-def _flat_targets(targets, lead_shape):
-    """targets shaped like the logits without their vocabulary (one per position) or with a trailing K (K per
-    position) -> ([tokens, K], the shape log p comes back in)."""
+def _flat_targets(targets, lead_shape, source="logits"):
+    """targets shaped like the logits (or hidden states: `source`) without their last dimension (one per position)
+    or with a trailing K (K per position) -> ([tokens, K], the shape log p comes back in)."""
     lead_shape = tuple(lead_shape)
     if tuple(targets.shape) == lead_shape:
         return targets.reshape(-1, 1), lead_shape
     if targets.dim() == len(lead_shape) + 1 and tuple(targets.shape[:-1]) == lead_shape:
         return targets.reshape(-1, targets.shape[-1]), tuple(targets.shape)
-    raise ValueError(f"targets {list(targets.shape)} do not match the positions {list(lead_shape)}: one target per "
-                     "position, or K per position in a trailing dimension")
+    raise ValueError(f"targets {list(targets.shape)} do not match the positions {list(lead_shape)} of the {source}: "
+                     "one target per position, or K per position in a trailing dimension")
 
 
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
