@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algorithms import AlgorithmConfig, AlgorithmConfigError, compute_advantages, kl_estimate, loss_weights
-from megarl.algorithms.advantages import NEEDS_GROUPS
+from megarl.algorithms.advantages import NEEDS_GROUPS, last_token_rewards
 from megarl.algorithms.policy_losses import POLICY_LOSSES
 from megarl.testing import run_ranks
 
@@ -154,6 +154,64 @@ def test_gae_whiten_advantages():
     assert torch.equal(white_ret, plain_ret)  # the critic's targets are not whitened
 
 
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "gae"])
+def test_whitening_is_exact_when_values_are_large_next_to_their_spread(name):
+    """E[x^2] - E[x]^2 in float32 cancels catastrophically here (equal scores: a negative variance, NaN); the
+    whitening must match a centred float64 reference, and equal values must whiten to exactly 0."""
+    mask = torch.ones(64, 512)
+    g = torch.Generator().manual_seed(0)
+    for spread in (0.0, 0.05):
+        scores = 7.3 + spread * torch.randn(64, generator=g)
+        if name == "gae":  # the same whitening, over token values
+            values = torch.zeros_like(mask)
+            inputs = dict(token_rewards=last_token_rewards(scores, mask), values=values, gamma=1.0, lam=1.0,
+                          whiten_advantages=True)
+            raw = last_token_rewards(scores, mask).flip(-1).cumsum(-1).flip(-1).double()
+        else:
+            inputs = dict(scores=scores)
+            raw = scores.double()[:, None].expand(mask.shape)
+        adv, _ = compute_advantages(name, mask=mask, **inputs)
+        expect = (raw - raw.mean()) / torch.sqrt(raw.var() + 1e-8)
+        assert torch.isfinite(adv).all() and torch.allclose(adv.double(), expect, atol=1e-5, rtol=0), (spread,)
+        if spread == 0.0:
+            assert torch.all(adv == 0)
+
+
+@pytest.mark.parametrize("value", [0.1, 2.7, 1 / 3])
+def test_a_group_of_equal_rewards_gets_exactly_zero_advantage(value):
+    """Group statistics in float32 leave a ~1e-8 std for non-dyadic rewards, which / (std + 1e-6) becomes a visible
+    advantage (GRPO: -0.3 for 16 x 2.7) and makes GPG count the group as valid."""
+    scores = torch.tensor([value] * 16 + [1.0, 0, 0, 0, 1, 0, 0, 0])
+    group_ids = torch.tensor([0] * 16 + [1] * 8)
+    mask = torch.ones(24, 1)
+    for name in ("grpo", "grpo_passk", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "maxrl", "gpg"):
+        adv, _ = compute_advantages(name, scores=scores, group_ids=group_ids, mask=mask)
+        assert torch.all(adv[:16] == 0), name
+    adv, _ = compute_advantages("gpg", scores=scores, group_ids=group_ids, mask=mask)
+    assert adv[16:, 0].tolist() == [2.25, -0.75, -0.75, -0.75, 2.25, -0.75, -0.75, -0.75]  # alpha = 24 / 8
+
+
+def test_extreme_ratios_stay_finite():
+    """A log-ratio far beyond exp's range (a token the update made 1e40 times likelier) must not turn into inf or a
+    0 * inf = NaN gradient: the ratio-based losses clamp it as verl does."""
+    old = torch.tensor([[-100.0, -100.0, -0.1]])
+    mask, adv = torch.ones(1, 3), torch.tensor([[0.0, -1.0, -1.0]])
+    for name in ("ppo_clip", "gspo", "sapo", "aspo", "adv_reweight", "fipo"):
+        log_prob = torch.tensor([[-0.05, -0.05, -0.1]], requires_grad=True)
+        cfg = AlgorithmConfig(policy_loss=name, dual_clip=3.0)
+        loss, _ = POLICY_LOSSES[name](log_prob, old, adv, mask, cfg, _seq_sum)
+        loss.sum().backward()
+        assert torch.isfinite(loss).all() and torch.isfinite(log_prob.grad).all(), name
+
+
+def test_verl_kl_names_are_aliases():
+    g = torch.Generator().manual_seed(0)
+    log_prob, ref = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    for alias, name in (("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3"), ("kl+", "k1+"), ("low_var_kl+", "k3+")):
+        assert torch.equal(kl_estimate(log_prob, ref, alias), kl_estimate(log_prob, ref, name))
+    AlgorithmConfig(kl_estimator="low_var_kl").validate()
+
+
 def _dp_rank_advantages(name, inputs, share):
     """On 2 gloo ranks: this rank's half of the batch (whole prompt groups) through compute_advantages over the DP
     group (the world)."""
@@ -249,7 +307,7 @@ def test_token_losses_match_naive_forward_and_gradient(name):
                 branches.add(branch)
             else:
                 lp = torch.tensor(lp_value, requires_grad=True)
-                ref = _naive_ppo(lp, o, a * (0.3 * math.exp(lp_value) + 0.7), lo, hi, c)
+                ref = _naive_ppo(lp, o, a * (0.3 * math.exp(o) + 0.7), lo, hi, c)  # weighted by pi_old
                 value = ref.item()
                 dvalue = torch.autograd.grad(ref, lp)[0].item() if ref.requires_grad else 0.0
             assert abs(loss[i, t].item() - value) < 1e-5 * max(1, abs(value)), (name, i, t)

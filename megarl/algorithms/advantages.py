@@ -36,14 +36,16 @@ RETURNS_TEACHER_LOG_RATIO = {"opd"}
 
 
 def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor):
-    """Per-sample mean, unbiased std and size of its group."""
+    """Per-sample mean, unbiased std and size of its group, in scores' dtype. Summed in float64: a group of equal
+    rewards then has exactly its reward as mean and std 0 (in float32, 8 x 0.1 gives a std of ~1e-8, which / (std +
+    eps) would turn into a non-zero advantage, and GPG would not count the group as all-equal)."""
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     n_groups = counts.shape[0]
-    sums = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, inverse, scores)
-    mean = sums / counts
-    sq = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, inverse, (scores - mean[inverse]) ** 2)
+    values = scores.double()
+    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, values) / counts
+    sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, (values - mean[inverse]) ** 2)
     std = torch.sqrt(sq / (counts - 1).clamp(min=1))
-    return mean[inverse], std[inverse], counts[inverse]
+    return mean[inverse].to(scores.dtype), std[inverse].to(scores.dtype), counts[inverse]
 
 
 def _global_sum(values: torch.Tensor, group) -> torch.Tensor:
@@ -56,15 +58,18 @@ def _global_sum(values: torch.Tensor, group) -> torch.Tensor:
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, group=None, eps: float = 1e-8,
                   shift_mean: bool = True) -> torch.Tensor:
-    """(values - mean) / std over the masked tokens of the whole (global) batch."""
-    total, count, total_sq = _global_sum(torch.stack([(values * mask).sum(), mask.sum(), (values ** 2 * mask).sum()]),
-                                         group)
-    mean = total / count
-    var = (total_sq / count - mean ** 2) * count / (count - 1).clamp(min=1)  # unbiased
-    whitened = (values - mean.to(values.dtype)) * torch.rsqrt(var.to(values.dtype) + eps)
+    """(values - mean) / sqrt(var + eps) over the masked tokens of the whole (global) batch (unbiased var, as
+    verl's masked_whiten). In float64 and centred before squaring (two all-reduces): E[x^2] - E[x]^2 in float32
+    cancels catastrophically when the values are large next to their spread (it can even go negative: NaN)."""
+    x, mask64 = values.double(), mask.double()
+    total, count = _global_sum(torch.stack([(x * mask64).sum(), mask64.sum()]), group)
+    mean = total / count.clamp(min=1)
+    centred = (x - mean) * mask64
+    var = _global_sum((centred ** 2).sum(), group) / (count - 1).clamp(min=1)
+    whitened = centred * torch.rsqrt(var + eps)
     if not shift_mean:
-        whitened = whitened + mean.to(values.dtype)
-    return whitened * mask
+        whitened = whitened + mean
+    return (whitened * mask64).to(values.dtype)
 
 
 def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,8 @@ x = log pi - log ref:
                                             (k2 - sg(k2) + sg(value)), so the penalty reports the chosen
                                             estimator while its gradient is the unbiased one of k2
 
+verl's other names are accepted as aliases: kl = k1, mse = k2, low_var_kl = k3 (and kl+, low_var_kl+).
+
 k3 is clamped as verl clamps it: the log-ratio to [-20, 20] (so exp cannot overflow) and the estimate to at most 10
 (one very unlikely token cannot dominate the penalty; a token whose k3 exceeds 10 gets no KL gradient).
 """
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+")
+KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "kl+": "k1+", "low_var_kl+": "k3+"}  # verl's names
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+", *KL_ALIASES)
 K3_LOG_RATIO_CLAMP = 20.0
 K3_MAX = 10.0
 
@@ -40,6 +43,7 @@ def kl_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str = 
     """Per-token estimate of KL(pi || ref) from samples of pi (see the module docstring for each `kind`)."""
     if kind not in KL_ESTIMATORS:
         raise ValueError(f"algorithm.kl_estimator={kind!r} is unknown; choose one of {list(KL_ESTIMATORS)}")
+    kind = KL_ALIASES.get(kind, kind)
     log_ratio = log_prob - ref_log_prob
     if not kind.endswith("+"):
         return _estimate(log_ratio, kind)

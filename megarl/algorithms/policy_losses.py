@@ -39,8 +39,9 @@ def _clipped_surrogate(ratio, advantages, eps_low, eps_high, dual_clip):
 
 @register_policy_loss("ppo_clip")
 def ppo_clip(log_prob, old_log_prob, advantages, mask, cfg, seq_sum):
-    """PPO clipped surrogate with separate low/high bounds (DAPO clip-higher) and optional dual clip."""
-    ratio = torch.exp(log_prob - old_log_prob)
+    """PPO clipped surrogate with separate low/high bounds (DAPO clip-higher) and optional dual clip. The log-ratio
+    is clamped to [-20, 20] (as verl does) so exp cannot overflow into a 0 * inf gradient."""
+    ratio = torch.exp((log_prob - old_log_prob).clamp(-20.0, 20.0))
     loss, stats = _clipped_surrogate(ratio, advantages, cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip)
     return loss, dict(stats, ratio=ratio.detach())
 
@@ -48,11 +49,11 @@ def ppo_clip(log_prob, old_log_prob, advantages, mask, cfg, seq_sum):
 @register_policy_loss("gspo")
 def gspo(log_prob, old_log_prob, advantages, mask, cfg, seq_sum):
     """GSPO: the ratio is per sequence, exp(mean_t log(pi/pi_old)), clipped per sequence. Token form:
-    s_i(theta) = sg(s_i) * pi_t / sg(pi_t), which has the sequence ratio's value and a per-token gradient."""
+    s_i(theta) = sg(s_i) * pi_t / sg(pi_t), which has the sequence ratio's value and a per-token gradient. The log of
+    that token ratio is clamped at 10 (as verl does): exp cannot overflow, and such a token gets no gradient."""
     log_ratio = (log_prob - old_log_prob) * mask
     seq_log_ratio = seq_sum(log_ratio) / seq_sum(mask.float()).clamp(min=1)
-    seq_ratio = torch.exp(seq_log_ratio.detach())[:, None]
-    ratio = seq_ratio * torch.exp(log_prob - log_prob.detach())
+    ratio = torch.exp((seq_log_ratio.detach()[:, None] + log_prob - log_prob.detach()).clamp(max=10.0))
     loss, stats = _clipped_surrogate(ratio, advantages, cfg.clip_eps_low, cfg.clip_eps_high, None)
     return loss, dict(stats, ratio=ratio.detach())
 
@@ -146,10 +147,11 @@ def aspo(log_prob, old_log_prob, advantages, mask, cfg, seq_sum):
 def adv_reweight(log_prob, old_log_prob, advantages, mask, cfg, seq_sum):
     """Advantage Reweighting, from "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs"
     (arXiv:2505.12929): the PPO clip loss (ppo_clip, with its clip bounds and dual clip) on the reweighted advantage
-    A~_t = (alpha * p_t + 1 - alpha) * A_t, alpha = algorithm.adv_reweight_alpha, p_t = sg(pi(o_t)) the token's
-    probability under the current policy (at algorithm.temperature), so low-probability tokens, whose gradients are
-    large, no longer dominate the update. The weight is positive, so the clip keeps the sign logic of PPO."""
-    weight = cfg.adv_reweight_alpha * torch.exp(log_prob.detach()) + (1 - cfg.adv_reweight_alpha)
+    A~_t = (alpha * p_t + 1 - alpha) * A_t, alpha = algorithm.adv_reweight_alpha, p_t = pi_old(o_t) the token's
+    probability under the policy that sampled it (at algorithm.temperature; as the authors' code, which reweights
+    with the old log-probs once per batch), so low-probability tokens, whose gradients are large, no longer dominate
+    the update. The weight is positive, so the clip keeps the sign logic of PPO."""
+    weight = cfg.adv_reweight_alpha * torch.exp(old_log_prob.detach()) + (1 - cfg.adv_reweight_alpha)
     loss, stats = ppo_clip(log_prob, old_log_prob, advantages * weight, mask, cfg, seq_sum)
     return loss, dict(stats, adv_weight=weight)
 
