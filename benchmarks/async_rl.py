@@ -3,7 +3,7 @@ the SGLang engine and the trainer on separate CPU cores (the engine's processes 
 other, set by this script while the run goes), synchronous steps (rl.max_staleness 0) vs k = 1 and k = 2 with
 partial rollouts.
 
-    .venv/bin/python benchmarks/async_rl.py                      # k = 0, 1, 2; seed 0; 40 RL steps
+    .venv/bin/python benchmarks/async_rl.py                      # k = 0, 1, 2; seed 0; 30 RL steps
     .venv/bin/python benchmarks/async_rl.py --seeds 0,1 --steps 60
 
 Writes benchmarks/results/async_rl.json {"settings", "runs": [{"max_staleness", "partial", "steps", "wall_s",
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0")
     p.add_argument("--mismatch", default="tis", help="algorithm.mismatch.mode of the k >= 1 runs (default tis: "
                    "the decoupled PPO objective, the trainer's default for k >= 1; none: no correction)")
-    p.add_argument("--steps", type=int, default=40, help="RL steps per run (default 40)")
+    p.add_argument("--steps", type=int, default=30, help="RL steps per run (default 30, as the committed JSON)")
     p.add_argument("--sft-steps", type=int, default=400, help="SFT steps per seed (default: the quickstart's 400)")
     p.add_argument("--engine-cpus", default="1", help="cores of the SGLang engine (default 1)")
     p.add_argument("--trainer-cpus", default="0", help="cores of the trainer (default 0)")

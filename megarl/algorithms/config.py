@@ -71,7 +71,8 @@ class AlgorithmConfig:
     # at every response position over k + 1 outcomes: the teacher's top-k tokens there and one bucket for the rest of
     # the vocabulary (megarl.algorithms.kl.topk_kl; opd_top_k_kl picks the direction). No sampling noise in the
     # distillation signal; the teacher returns its top-k per position in the same prefill request. The advantage is
-    # then only the task reward's share (opd_reward_weight). Costs k more log-prob passes over the vocabulary.
+    # then only the task reward's share (opd_reward_weight). The k log-probs come from the sampled token's vocabulary
+    # pass (one normaliser for 1 + k targets).
     opd_top_k: int = 0
     opd_top_k_kl: str = "reverse"  # with opd_top_k: "reverse" KL(student || teacher) or "forward" KL(teacher || student)
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
