@@ -19,7 +19,7 @@ from megarl.envs import make_env
 from megarl.envs.tools import python as python_tool
 from megarl.rewards import RewardPool
 from megarl.rewards.code import CodeRewardFailure, code_reward
-from megarl.sandbox import SandboxLimits, SandboxUnavailable, isolation, run_python
+from megarl.sandbox import SandboxLimits, SandboxUnavailable, cgroups, isolation, run_python
 
 GOOD = "Sure:\n```python\ndef add(a, b):\n    return a + b\n```"
 WRONG = "```python\ndef add(a, b):\n    return a - b\n```"
@@ -366,6 +366,43 @@ def test_code_reward_cannot_be_forged(name):
     assert code_reward(_solution("def add(a, b):\n    return 3000000 if (a, b) == (1, 2) else a + b"), tests) == 1.0
 
 
+# Truthiness and isclose checks: the expected verdict (true) is guessable, so the verdict must not be computed in the
+# sandbox by code the solution can patch. Each forger gets is_prime right and circle_area wrong, and forges the
+# isclose verdict (both passed before the verdicts moved out of the sandbox).
+VERDICT_TESTS = ("import math\nassert is_prime(7)\nassert not is_prime(8)\n"
+                 "assert math.isclose(circle_area(2), 4 * math.pi, rel_tol=1e-9)")
+VERDICT_FORGERS = {
+    "patched math.isclose": ("def is_prime(n):\n    return n in (2, 3, 5, 7)\ndef circle_area(r):\n    return 0\n"
+                             "import math\nmath.isclose = lambda *a, **k: True"),
+    "forged verdict line and exit": (
+        "import json, sys, os\nsys.__stdout__.write(json.dumps({'results': [{'v': True}, {'v': False}, {'v': True}]})"
+        " + '\\n')\nsys.__stdout__.flush()\nos._exit(0)"),
+}
+
+
+@pytest.mark.parametrize("name", list(VERDICT_FORGERS))
+def test_truthiness_and_isclose_verdicts_cannot_be_forged(name):
+    with pytest.raises(CodeRewardFailure):
+        code_reward(_solution(VERDICT_FORGERS[name]), VERDICT_TESTS)
+    honest = ("import math\ndef is_prime(n):\n    return n > 1 and all(n % d for d in range(2, n))\n"
+              "def circle_area(r):\n    return math.pi * r * r")
+    assert code_reward(_solution(honest), VERDICT_TESTS) == 1.0
+
+
+@pytest.mark.parametrize("test_line", [
+    "assert all(a == b for a, b in zip(sort_list([3, 1, 2]), [1, 2, 3]))",  # always-equal elements would pass
+    "assert isinstance(sort_list([2, 1]), list)",                           # builtins.isinstance can be patched
+    "def is_sorted(x):\n    return all(a <= b for a, b in zip(x, x[1:]))\nassert is_sorted(sort_list([2, 1]))",
+    "assert sort_list([2, 1]) == [1, 2] and True == True",
+    "assert all(sort_list([2, 1])) == True",
+    "import math\nassert math.isclose(sort_list([2])[0], y)",              # a computed expected value
+])
+def test_verdicts_computed_in_the_sandbox_are_refused(test_line):
+    with pytest.raises(ValueError, match="cannot be judged outside the sandbox|must call the solution's own "
+                                         "function|isclose needs"):
+        code_reward(_solution("def sort_list(x):\n    return sorted(x)"), test_line)
+
+
 def test_code_reward_test_styles():
     # assert-based (== literal, truthiness, not, isclose, setup statements)
     tests = ("import math\nassert add(1, 2) == 3\nassert add(1, 1)\nassert not add(0, 0)\n"
@@ -461,3 +498,68 @@ def test_reward_pool_scores_and_logs_failures(caplog):
     for reason in ["CodeRewardFailure: test 1 of 2 (line 1) `add(1, 2)`: got -1, expected == 3",
                    "Network is unreachable", "cpu limit (2 s"]:
         assert reason in logged, logged
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+def _leaves_of(pid: int) -> list[str]:
+    """The cgroup leaves process `pid` created that still exist."""
+    _, _, parents = cgroups._detect()
+    return [os.path.join(p, n) for p in (parents or {}).values() if os.path.isdir(p)
+            for n in os.listdir(p) if n.startswith(f"{cgroups._PREFIX}{pid}-")]
+
+
+def _dead_creators_leaves() -> set[str]:
+    """Leaves (in the first hierarchy) whose creating process is gone: nobody will remove them any more."""
+    parent = next(iter(cgroups._detect()[2].values()))
+    return {n for n in os.listdir(parent) if n.startswith(cgroups._PREFIX)
+            and not os.path.exists(f"/proc/{n[len(cgroups._PREFIX):].split('-')[0]}")}
+
+
+@pytest.mark.skipif(cgroups.available() is None, reason="no writable cgroup hierarchy here")
+def test_a_reward_killed_by_its_timeout_leaves_no_cgroup_behind():
+    """The pool's timeout SIGKILLs the reward process in the middle of a sandbox run, so the run's own clean-up never
+    happens; the pool removes what that process created (else a long run exhausts the host's cgroups)."""
+    before = _dead_creators_leaves()
+    pool = RewardPool("megarl.rewards.code:code_reward", workers=1, timeout_s=3, kwargs={"wall_s": 120, "cpu_s": 100})
+    try:
+        slow = _solution("import time\ntime.sleep(60)\ndef add(a, b):\n    return a + b")
+        assert pool.score([(slow, TESTS), (GOOD, TESTS)]) == [0.0, 1.0]
+    finally:
+        pool.close()
+    assert _dead_creators_leaves() - before == set()
+
+
+@pytest.mark.skipif(cgroups.available() is None, reason="no writable cgroup hierarchy here")
+def test_remove_left_by_kills_and_removes_a_dead_creators_leaves():
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # create a leaf with a process inside, report, then die without cleaning up
+        try:
+            group = cgroups.Group.create(64 << 20, 8)
+            sleeper = subprocess.Popen(["sleep", "300"])
+            for procs in group.procs_files():
+                with open(procs, "w") as f:
+                    f.write(str(sleeper.pid))
+            os.write(write, str(sleeper.pid).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    sleeper = int(os.read(read, 100) or 0)
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert sleeper and len(_leaves_of(pid)) == len(cgroups._detect()[2])  # one leaf per hierarchy
+    assert cgroups.remove_left_by(pid) == 1
+    assert _leaves_of(pid) == []
+    for _ in range(100):  # SIGKILLed; reaped by init
+        if not _alive(sleeper):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the process inside the leaf was not killed")

@@ -10,9 +10,15 @@ that claim to equal anything) or exit with can forge a pass: it has to produce t
 
 - assert-based test code (MBPP style), e.g. "assert add(1, 2) == 3". Each top-level `assert EXPR == LITERAL` (or
   `LITERAL == EXPR`), `assert EXPR`, `assert not EXPR` and `assert math.isclose(EXPR, LITERAL, ...)` becomes one
-  check: only EXPR is evaluated in the sandbox, the LITERAL stays here. Other top-level statements (imports, helper
-  definitions, assignments) run in the sandbox before the checks. An assert of any other shape cannot be judged
-  outside the sandbox and is rejected with a ValueError naming its line (rewrite it as EXPR == LITERAL);
+  check: only EXPR is evaluated in the sandbox, the LITERAL stays here (a LITERAL may also be a numeric constant
+  expression such as `4 * math.pi`, computed here). Other top-level statements (imports, helper definitions,
+  assignments) run in the sandbox before the checks. An assert of any other shape cannot be judged outside the
+  sandbox and is rejected with a ValueError naming its line (rewrite it as EXPR == LITERAL).
+  A check whose expected value can be guessed (`assert EXPR`, `assert not EXPR`, `== True / False / None`) is only
+  accepted when EXPR is a call of a function the solution defines (`assert is_prime(7)`): in any other expression
+  (`all(a == b for ...)`, `isinstance(...)`, `math.isclose(x, y)` with a computed y, a helper of the test code) the
+  verdict would be computed in the sandbox by code the solution can patch (builtins, math, always-equal objects),
+  and printing the guessable result line and exiting would forge it;
 - stdin/stdout cases (APPS/TACO/CodeContests style): JSON {"inputs": [stdin, ...], "outputs": [stdout, ...]}: one
   sandbox run per case, stopping at the first failure; outputs compare line by line with trailing whitespace and
   trailing blank lines ignored;
@@ -29,6 +35,7 @@ output_bytes (see SandboxLimits), per sandbox run.
 from __future__ import annotations
 
 import ast
+import builtins
 import dataclasses
 import json
 import math
@@ -88,11 +95,68 @@ class Check:
     line: int = 0
 
 
+_MATH_CONSTANTS = {"pi": math.pi, "e": math.e, "tau": math.tau, "inf": math.inf}
+_MATH_FUNCTIONS = {name: getattr(math, name) for name in ("sqrt", "exp", "log", "log2", "log10", "sin", "cos", "tan",
+                                                          "asin", "acos", "atan", "atan2", "hypot", "pow", "fabs")}
+_ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+               ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
+               ast.Pow: lambda a, b: a ** b}
+_GUESSABLE = (True, False, None)  # expected values a forger would try first
+
+
+def _numeric(node: ast.AST):
+    """A numeric constant expression over numbers, + - * / // % ** (exponent at most 64), math.pi / e / tau / inf and
+    math functions of constants, evaluated here (never in the sandbox)."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _numeric(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+        left, right = _numeric(node.left), _numeric(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > 64:
+            raise ValueError("exponent too large")
+        return _ARITHMETIC[type(node.op)](left, right)
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "math"
+            and node.attr in _MATH_CONSTANTS):
+        return _MATH_CONSTANTS[node.attr]
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "math" and node.func.attr in _MATH_FUNCTIONS and not node.keywords):
+        return _MATH_FUNCTIONS[node.func.attr](*map(_numeric, node.args))
+    raise ValueError("not a numeric constant expression")
+
+
 def _literal(node: ast.AST):
+    """(True, value) for a literal or a numeric constant expression, else (False, None)."""
     try:
         return True, ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        pass
+    try:
+        return True, _numeric(node)
+    except (ValueError, TypeError, ArithmeticError, RecursionError):
         return False, None
+
+
+def _bound_names(setup: list[ast.stmt]) -> set[str]:
+    """The names the test code's own statements bind (imports, definitions, assignments)."""
+    names = set()
+    for stmt in setup:
+        for node in ast.walk(stmt):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return names
+
+
+def _calls_the_solution(expr: ast.AST, test_names: set[str]) -> bool:
+    """EXPR is a call of a plain name that is neither a builtin nor bound by the test code: the solution's function,
+    whose return value (plain data, judged here) is the solution's own answer."""
+    return (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name)
+            and expr.func.id not in test_names and not hasattr(builtins, expr.func.id))
 
 
 def _is_isclose(func: ast.AST) -> bool:
@@ -100,27 +164,43 @@ def _is_isclose(func: ast.AST) -> bool:
             isinstance(func, ast.Attribute) and func.attr == "isclose")
 
 
-def _check(test: ast.Assert, source: str) -> Check:
+def _check(test: ast.Assert, source: str, test_names: set[str]) -> Check:
     cond, line = test.test, test.lineno
+    shown = ast.get_source_segment(source, test)[:100]
+    check, expr = None, None  # the Check, and the AST of the expression evaluated in the sandbox
     if isinstance(cond, ast.Compare) and len(cond.ops) == 1 and isinstance(cond.ops[0], ast.Eq):
         left, right = cond.left, cond.comparators[0]
-        for expr, lit in ((left, right), (right, left)):
-            ok, value = _literal(lit)
-            if ok:
-                return Check(ast.get_source_segment(source, expr), "eq", value, line=line)
-    if isinstance(cond, ast.Call) and _is_isclose(cond.func) and len(cond.args) == 2:
-        ok, value = _literal(cond.args[1])
+        sides = [(side, _literal(other)) for side, other in ((left, right), (right, left))]
+        expr, value = next(((side, value) for side, (ok, value) in sides if ok), (None, None))
+        if expr is not None:
+            check = Check(ast.get_source_segment(source, expr), "eq", value, line=line)
+    elif isinstance(cond, ast.Call) and _is_isclose(cond.func):
+        ok, value = _literal(cond.args[1]) if len(cond.args) == 2 else (False, None)
         options = {k.arg: _literal(k.value) for k in cond.keywords}
-        if ok and all(k in ("rel_tol", "abs_tol") and good for k, (good, _) in options.items()):
-            return Check(ast.get_source_segment(source, cond.args[0]), "close", value,
-                         {k: v for k, (_, v) in options.items()}, line=line)
-    if isinstance(cond, ast.UnaryOp) and isinstance(cond.op, ast.Not):
-        return Check(ast.get_source_segment(source, cond.operand), "false", line=line)
-    if not isinstance(cond, (ast.Compare, ast.BoolOp)):
-        return Check(ast.get_source_segment(source, cond), "true", line=line)
-    raise ValueError(f"reward code: test line {line} `{ast.get_source_segment(source, test)[:100]}` cannot be judged "
-                     "outside the sandbox; write it as `assert EXPR == LITERAL` (or use stdin/stdout or function-call "
-                     "cases)")
+        if not (ok and all(k in ("rel_tol", "abs_tol") and good for k, (good, _) in options.items())):
+            raise ValueError(f"reward code: test line {line} `{shown}`: isclose needs (EXPR, LITERAL) with a literal "
+                             "or numeric constant (e.g. 4 * math.pi) as the expected value and literal rel_tol / "
+                             "abs_tol, so that the comparison happens outside the sandbox")
+        expr = cond.args[0]
+        check = Check(ast.get_source_segment(source, expr), "close", value, {k: v for k, (_, v) in options.items()},
+                      line=line)
+    elif isinstance(cond, ast.UnaryOp) and isinstance(cond.op, ast.Not):
+        expr = cond.operand
+        check = Check(ast.get_source_segment(source, expr), "false", line=line)
+    elif not isinstance(cond, (ast.Compare, ast.BoolOp)):
+        expr = cond
+        check = Check(ast.get_source_segment(source, expr), "true", line=line)
+    if check is None:
+        raise ValueError(f"reward code: test line {line} `{shown}` cannot be judged outside the sandbox; write it as "
+                         "`assert EXPR == LITERAL` (or use stdin/stdout or function-call cases)")
+    guessable = check.kind in ("true", "false") or (check.kind == "eq" and any(
+        type(check.expected) is type(g) and check.expected == g for g in _GUESSABLE))
+    if guessable and not _calls_the_solution(expr, test_names):
+        raise ValueError(f"reward code: test line {line} `{shown}` expects a true / false / None result of "
+                         f"`{check.expr[:60]}`, which would be computed in the sandbox by code the solution can "
+                         "patch; such a check must call the solution's own function (`assert is_prime(7)`), or "
+                         "compare with a literal result (`assert sorted_list(x) == [1, 2]`)")
+    return check
 
 
 def parse_tests(tests: str) -> tuple[str, list[Check]]:
@@ -129,15 +209,12 @@ def parse_tests(tests: str) -> tuple[str, list[Check]]:
         tree = ast.parse(tests)
     except SyntaxError as e:
         raise ValueError(f"reward code: the test code does not parse (line {e.lineno}: {e.msg})") from None
-    setup, checks = [], []
-    for stmt in tree.body:
-        if isinstance(stmt, ast.Assert):
-            checks.append(_check(stmt, tests))
-        else:
-            setup.append(ast.get_source_segment(tests, stmt))
+    setup = [stmt for stmt in tree.body if not isinstance(stmt, ast.Assert)]
+    test_names = _bound_names(setup)
+    checks = [_check(stmt, tests, test_names) for stmt in tree.body if isinstance(stmt, ast.Assert)]
     if not checks:
         raise ValueError("reward code: the test code has no top-level assert to check")
-    return "\n".join(setup), checks
+    return "\n".join(ast.get_source_segment(tests, stmt) for stmt in setup), checks
 
 
 def parse_cases(answer) -> dict | None:

@@ -16,7 +16,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
 
 from .functions import resolve_reward
-from ..sandbox import SandboxUnavailable, check_sandbox
+from ..sandbox import SandboxUnavailable, cgroups, check_sandbox
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,8 @@ def _score(name: str, kwargs: dict, items: list[tuple[str, str | None]], timeout
                 child.kill()
             child.join()
             recv.close()
+            if child.exitcode != 0:  # killed or died: its sandbox's cgroups outlive it (removed in its `finally`)
+                cgroups.remove_left_by(child.pid)
     return results
 
 

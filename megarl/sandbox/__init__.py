@@ -309,7 +309,10 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None,
         slot = UidSlot()
         # pids.max: the code's processes + the start-up chain/outer bwrap, bwrap's init; RLIMIT_NPROC counts the same tasks of the uid
         nproc = limits.processes + 3
-        group = cgroups.Group.create(int(limits.memory_mb * _MB), nproc)
+        try:
+            group = cgroups.Group.create(int(limits.memory_mb * _MB), nproc)
+        except OSError as e:  # e.g. the host's cgroup limit: no per-execution limits, so run nothing (fail closed)
+            raise SandboxUnavailable(f"cannot create the execution's cgroup ({e}). {FIX}") from None
         argv = isolation.command(
             procs_files=group.procs_files() if group else [], uid=slot.uid, cpu_s=limits.cpu_s,
             memory_bytes=int(limits.memory_mb * _MB), file_bytes=int(limits.file_mb * _MB), nproc=nproc,

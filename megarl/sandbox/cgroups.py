@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import time
 from dataclasses import dataclass
 
@@ -94,7 +95,7 @@ class Group:
         _, version, parents = _detect()
         if version is None:
             return None
-        name = _PREFIX + secrets.token_hex(6)
+        name = f"{_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"  # the creator's pid: see remove_left_by
         group = cls(version, {c: os.path.join(p, name) for c, p in parents.items()})
         try:
             for d in group.dirs.values():
@@ -141,6 +142,24 @@ class Group:
         fields = dict(line.split() for line in text.splitlines())
         return int(fields.get("oom_kill", 0)) > 0
 
+    def kill(self) -> None:
+        """SIGKILL every process still inside (v2: cgroup.kill; v1: each pid of cgroup.procs)."""
+        for d in self.dirs.values():
+            try:
+                if self.version == "v2" and os.path.exists(os.path.join(d, "cgroup.kill")):
+                    with open(os.path.join(d, "cgroup.kill"), "w") as f:
+                        f.write("1")
+                    continue
+                with open(os.path.join(d, "cgroup.procs")) as f:
+                    pids = [int(p) for p in f.read().split()]
+            except OSError:
+                continue
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
     def remove(self) -> None:
         """rmdir each leaf (the kernel refuses while a process is still inside; callers remove after the execution's
         processes are gone)."""
@@ -153,3 +172,24 @@ class Group:
                     break
                 except OSError:
                     time.sleep(0.02)
+
+
+def remove_left_by(pid: int) -> int:
+    """Kill and remove the leaves that process `pid` created and could not remove itself (it was SIGKILLed mid-run,
+    e.g. by the reward pool's timeout, so its `finally` never ran); returns how many were found. Without this every
+    timed-out execution would leave its cgroup directories behind, and a long run would exhaust the host's cgroups."""
+    _, version, parents = _detect()
+    if version is None:
+        return 0
+    prefix = f"{_PREFIX}{pid}-"
+    names = set()
+    for parent in parents.values():
+        try:
+            names.update(n for n in os.listdir(parent) if n.startswith(prefix))
+        except OSError:
+            pass
+    for name in sorted(names):
+        group = Group(version, {c: os.path.join(p, name) for c, p in parents.items()})
+        group.kill()
+        group.remove()
+    return len(names)
