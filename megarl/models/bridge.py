@@ -51,8 +51,9 @@ def _deepseek_router_without_mtp(c) -> dict:
 # TransformerConfig fields a family needs beyond what its mbridge bridge sets (a function of the HF config).
 _FAMILY_CONFIG = {
     # Qwen2-MoE scales its shared expert by sigmoid(x @ shared_expert_gate): megatron-core's SharedExpertMLP gate.
-    # mbridge maps the gate tensor (shared_experts.gate_weight) but leaves the gate off.
-    "qwen2_moe": lambda c: dict(moe_shared_expert_gate=True),
+    # mbridge maps the gate tensor (shared_experts.gate_weight) but leaves the gate off. q/k/v biases come from
+    # qkv_bias (mbridge: always on).
+    "qwen2_moe": lambda c: dict(moe_shared_expert_gate=True, add_qkv_bias=bool(c.qkv_bias)),
     # DeepSeek-V3. Group-limited routing (n_group groups, the best topk_group of them; a group scores the sum of its
     # best topk/topk_group experts, which is DeepSeek's top-2 for V3's 8 of 4 groups): mbridge does not set it.
     # Router probabilities from sigmoid scores are renormalised over the top-k (norm_topk_prob) and multiplied by
@@ -93,14 +94,22 @@ def _mla_config(bridge, **fields):
     return MLATransformerConfig(**fields)
 
 
-def _mbridge_class(model_type: str):
-    """mbridge's bridge class for model_type, adapted where mbridge 0.15.1 and megatron-core 0.19.2 disagree."""
+def _mbridge_class(model_type: str, extras: dict):
+    """mbridge's bridge class for model_type, adapted where mbridge 0.15.1 and megatron-core 0.19.2 disagree, building
+    its TransformerConfig with megarl's fields (`extras`, which win over mbridge's) from the start: mbridge's
+    constructor builds one from its own fields alone, which megatron-core may refuse before set_extra_args can correct
+    it (Qwen3-MoE at top-k 1: mbridge's moe_router_pre_softmax=False, which megatron-core refuses there)."""
     from mbridge.core.auto_bridge import _MODEL_REGISTRY  # what AutoBridge.from_config looks the class up in
 
     cls = _MODEL_REGISTRY[model_type]
+
+    def _build_base_config(self, *args, **kwargs):
+        return cls._build_base_config(self, *args, **{**kwargs, **extras})
+
+    namespace = {"_build_base_config": _build_base_config}
     if model_type == "deepseek_v3":
-        return type(cls.__name__, (cls,), {"TransformerConfigClass": _mla_config})
-    return cls
+        namespace["TransformerConfigClass"] = _mla_config
+    return type(cls.__name__, (cls,), namespace)
 
 
 def is_expert_param(name: str) -> bool:
@@ -136,9 +145,10 @@ class ModelBridge:
         if getattr(hf_config, "head_dim", 0) is None:
             hf_config.head_dim = hf_config.hidden_size // hf_config.num_attention_heads
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.mb = _mbridge_class(hf_config.model_type)(hf_config, dtype=self.dtype)
+        extras = self._config_extras(config_overrides or {})
+        self.mb = _mbridge_class(hf_config.model_type, extras)(hf_config, dtype=self.dtype)
         self._isolate_name_tables()
-        self.mb.set_extra_args(**self._config_extras(config_overrides or {}))
+        self.mb.extra_args = dict(extras)  # what set_extra_args would record (the config is already built with them)
         self.config = self.mb.config
 
         pg = self.pg
@@ -173,7 +183,8 @@ class ModelBridge:
             # Qwen3-MoE renormalises the top-k probabilities when norm_topk_prob is set: that is Megatron's softmax
             # over the top-k logits (pre_softmax=False). Without it, probabilities come from a softmax over all
             # experts (pre_softmax=True). mbridge always sets False.
-            # Mixtral has no norm_topk_prob and always renormalises (a softmax over the top-k logits).
+            # Mixtral has no norm_topk_prob and always renormalises (a softmax over the top-k logits). At top-k 1 only
+            # the pre-softmax router exists in megatron-core (renormalised top-1 routers are refused: megarl.models.hf).
             extras.update(moe_router_pre_softmax=not getattr(c, "norm_topk_prob", True),
                           moe_token_dispatcher_type="alltoall",
                           moe_aux_loss_coeff=float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0))
@@ -277,6 +288,10 @@ class ModelBridge:
         return name
 
     def hf_names(self, canonical: str) -> list[str]:
+        if canonical == "output_layer.weight":
+            # The per-instance table (_isolate_name_tables) knows tied embeddings; mbridge's GLM-4.5 bridge hard-codes
+            # lm_head.weight, which a tied model's last pipeline stage would read.
+            return [self.mb._DIRECT_MAPPING[canonical]]
         return self.mb._weight_name_mapping_mcore_to_hf(canonical)
 
     def _tensors(self, model, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

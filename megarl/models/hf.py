@@ -155,22 +155,87 @@ def model_shape(fields: Mapping) -> ModelShape:
     shared = opt("shared_expert_intermediate_size") or \
         (int(fields["n_shared_experts"]) * moe_ffn if experts and fields.get("n_shared_experts") else None)
     mla = fields.get("kv_lora_rank") is not None
-    return ModelShape(num_layers=int(fields["num_hidden_layers"]), num_attention_heads=heads,
-                      num_key_value_heads=int(fields.get("num_key_value_heads") or heads),
-                      ffn_hidden_size=int(fields["intermediate_size"]), num_experts=experts,
-                      moe_ffn_hidden_size=moe_ffn, hidden_size=opt("hidden_size"), vocab_size=opt("vocab_size"),
-                      head_dim=opt("head_dim"), num_dense_layers=opt("first_k_dense_replace") if experts else None,
-                      shared_expert_ffn_hidden_size=shared if experts else None,
-                      q_lora_rank=opt("q_lora_rank") if mla else None, kv_lora_rank=opt("kv_lora_rank"),
-                      qk_nope_head_dim=opt("qk_nope_head_dim") if mla else None,
-                      qk_rope_head_dim=opt("qk_rope_head_dim") if mla else None,
-                      v_head_dim=opt("v_head_dim") if mla else None,
-                      tie_word_embeddings=bool(fields.get("tie_word_embeddings", False)))
+    shape = ModelShape(num_layers=int(fields["num_hidden_layers"]), num_attention_heads=heads,
+                       num_key_value_heads=int(fields.get("num_key_value_heads") or heads),
+                       ffn_hidden_size=int(fields["intermediate_size"]), num_experts=experts,
+                       moe_ffn_hidden_size=moe_ffn, hidden_size=opt("hidden_size"), vocab_size=opt("vocab_size"),
+                       head_dim=opt("head_dim"), num_dense_layers=opt("first_k_dense_replace") if experts else None,
+                       shared_expert_ffn_hidden_size=shared if experts else None,
+                       q_lora_rank=opt("q_lora_rank") if mla else None, kv_lora_rank=opt("kv_lora_rank"),
+                       qk_nope_head_dim=opt("qk_nope_head_dim") if mla else None,
+                       qk_rope_head_dim=opt("qk_rope_head_dim") if mla else None,
+                       v_head_dim=opt("v_head_dim") if mla else None,
+                       tie_word_embeddings=bool(fields.get("tie_word_embeddings", False)))
+    if experts and not fields.get("moe_intermediate_size"):
+        shape.moe_ffn_field = "intermediate_size"
+    if experts and fields.get("shared_expert_intermediate_size") is None and fields.get("n_shared_experts"):
+        shape.shared_expert_field = "n_shared_experts x moe_intermediate_size"
+    return shape
 
 
-def _unsupported_variant(config) -> str | None:
-    """What in a supported family's config (transformers' config, so its defaults apply) megarl cannot build exactly,
-    with the fix; or None."""
+# Config fields transformers honours and megarl's Megatron model would silently ignore are refused by
+# _unsupported_variant, the one home for these checks (TP/EP divisibility of the widths is ParallelConfig.validate's).
+# Each check reads transformers' config (so its defaults and derived fields such as layer_types apply) and returns the
+# problem with its fix, or None; a field that is present but has no effect (sliding_window with use_sliding_window false
+# or at least max_position_embeddings, attention_bias false) passes.
+
+# Activations transformers' ACT2FN maps to SiLU: mbridge builds every MLP (dense, routed and shared experts) as SwiGLU.
+_SILU = ("silu", "swish")
+# model_type -> the projections transformers gives a bias when attention_bias is true, for families whose bridge
+# does not build them all (o_proj's bias would need megatron-core's add_bias_linear, which adds the MLP biases too, and
+# mbridge maps no o_proj bias). GLM-4.5's attention_bias (q/k/v only) is built (bridge._FAMILY_CONFIG); Qwen2 has no
+# such field (its q/k/v biases are always there).
+_ATTENTION_BIASES = {"llama": "q/k/v/o_proj", "qwen3": "q/k/v/o_proj", "qwen3_moe": "q/k/v/o_proj",
+                     "deepseek_v3": "q_a_proj/kv_a_proj_with_mqa/o_proj"}
+# Families whose attention transformers restricts to a sliding window (the bridge sets no attention window).
+_SLIDING_WINDOW_FAMILIES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+
+
+def _activation(config) -> str | None:
+    act = getattr(config, "hidden_act", "silu")
+    if act not in _SILU:
+        return (f"hidden_act={act!r} is not supported for {config.model_type} (the bridge builds every MLP as SwiGLU: "
+                "SiLU-gated). Fix: use a model with hidden_act: silu.")
+    return None
+
+
+def _biases(config) -> str | None:
+    model_type = config.model_type
+    if model_type in _ATTENTION_BIASES and getattr(config, "attention_bias", False):
+        return (f"attention_bias=true ({_ATTENTION_BIASES[model_type]} biases) is not supported for {model_type} (the "
+                "bridge does not build these biases). Fix: use a model with attention_bias: false.")
+    if model_type == "llama" and getattr(config, "mlp_bias", False):
+        return ("mlp_bias=true (gate/up/down_proj biases) is not supported for llama (the bridge builds the MLP "
+                "without biases). Fix: use a model with mlp_bias: false.")
+    return None
+
+
+def _sliding_window(config) -> str | None:
+    """Sliding-window attention that restricts some layer's attention: a window below max_position_embeddings on a
+    layer transformers gives one (layer_types, derived from use_sliding_window and max_window_layers for Qwen2/Qwen3/
+    Qwen2-MoE; every layer for Qwen3-MoE and Mixtral, whose config sets sliding_window None when it is off)."""
+    window = getattr(config, "sliding_window", None)
+    if config.model_type not in _SLIDING_WINDOW_FAMILIES or window is None:
+        return None
+    types = getattr(config, "layer_types", None)
+    layers = [i for i, t in enumerate(types) if t == "sliding_attention"] if types is not None else \
+        list(range(config.num_hidden_layers))
+    max_positions = config.max_position_embeddings
+    if not layers or window >= max_positions:
+        return None
+    if hasattr(config, "use_sliding_window"):
+        switch = f"use_sliding_window=true, layer(s) {layers} of {config.num_hidden_layers}"
+        if hasattr(config, "max_window_layers"):
+            switch += f" per max_window_layers={config.max_window_layers}"
+        off = "use_sliding_window: false"
+    else:
+        switch, off = "every layer", "sliding_window: null"
+    return (f"sliding_window={window} ({switch}): sliding-window attention is not supported for {config.model_type} "
+            f"(megarl's Megatron model attends to the whole sequence). Fix: use a model without it ({off}), or with "
+            f"sliding_window >= max_position_embeddings ({max_positions}).")
+
+
+def _moe(config) -> str | None:
     model_type = config.model_type
     mlp_only, sparse_step = getattr(config, "mlp_only_layers", None), getattr(config, "decoder_sparse_step", 1)
     if mlp_only or sparse_step != 1:
@@ -178,24 +243,66 @@ def _unsupported_variant(config) -> str | None:
         return (f"mlp_only_layers={mlp_only} / decoder_sparse_step={sparse_step}: dense MLP layers in a {model_type} "
                 "model are not supported. Fix: use a model whose every layer is MoE (mlp_only_layers: [], "
                 "decoder_sparse_step: 1).")
+    if model_type == "qwen2_moe" and not config.shared_expert_intermediate_size:
+        # transformers then builds a zero-width shared expert (its gate still has a weight); mbridge always maps one.
+        return (f"shared_expert_intermediate_size={config.shared_expert_intermediate_size} (no shared expert) is not "
+                "supported for qwen2_moe (the bridge builds Qwen2-MoE with its gated shared expert). Fix: use a model "
+                "with shared_expert_intermediate_size > 0.")
+    if model_type in SIGMOID_GROUP_ROUTED and not config.n_shared_experts:
+        return (f"n_shared_experts={config.n_shared_experts} (no shared experts) is not supported for {model_type} "
+                "(the bridge builds the shared experts). Fix: use a model with n_shared_experts >= 1.")
+    topk = getattr(config, "num_experts_per_tok", None)
+    renormalised = model_type == "mixtral" or getattr(config, "norm_topk_prob", False)
+    if topk == 1 and renormalised and model_type not in SIGMOID_GROUP_ROUTED:
+        # transformers' top-1 probability renormalised over the top-1 is exactly 1; megatron-core refuses that router
+        # (its softmax over one logit, moe_router_pre_softmax false, has no gradient). Without renormalisation
+        # (norm_topk_prob false) the top-1 probability is megatron-core's pre-softmax one, which the bridge builds.
+        field = "" if model_type == "mixtral" else " with norm_topk_prob=true"
+        fix = "num_experts_per_tok >= 2" + ("" if model_type == "mixtral" else ", or norm_topk_prob: false")
+        return (f"num_experts_per_tok=1{field} is not supported for {model_type} (the renormalised top-1 weight is "
+                f"always 1, a router megatron-core does not build). Fix: use a model with {fix}.")
     if model_type not in SIGMOID_GROUP_ROUTED:
         return None
     if not config.norm_topk_prob:
         # megatron-core always renormalises sigmoid router scores over the top-k (topk_routing_with_score_function).
         return (f"norm_topk_prob=false is not supported for {model_type} (megatron-core renormalises sigmoid router "
                 "scores over the top-k). Fix: use a model with norm_topk_prob: true.")
+    if topk == 1:
+        # transformers renormalises the top-1 sigmoid score to 1; megatron-core skips the renormalisation at top-k 1.
+        return (f"num_experts_per_tok=1 is not supported for {model_type} (transformers renormalises the top-1 "
+                "sigmoid score to 1, megatron-core weights the expert by the raw score at top-k 1). Fix: use a model "
+                "with num_experts_per_tok >= 2.")
+    if model_type == "deepseek_v3" and config.q_lora_rank is None:
+        # megatron-core 0.19's MLA with q/kv norms (kv_a_layernorm) builds the unfactored query projection as a fused
+        # norm + linear: an RMSNorm in front of q_proj that transformers does not have.
+        return ("q_lora_rank=null (an unfactored q_proj, as DeepSeek-V2-Lite) is not supported for deepseek_v3 "
+                "(megatron-core's multi-latent attention would normalise the query input, transformers does not). "
+                "Fix: use a model with q_lora_rank set (DeepSeek-V3: 1536).")
     if model_type == "deepseek_v3" and not getattr(config, "rope_interleave", True):
         # megatron-core's MLA always takes the RoPE dimensions interleaved (apply_rotary_pos_emb with mla=True).
         return ("rope_interleave=false is not supported for deepseek_v3 (megatron-core's multi-latent attention "
                 "applies RoPE to interleaved dimensions, as DeepSeek-V3 does). Fix: use a model with rope_interleave: "
                 "true.")
-    topk, group_topk = config.num_experts_per_tok, config.topk_group
+    group_topk = config.topk_group
     if config.n_group > 1 and topk // group_topk != 2:
         # DeepSeek scores a group by the sum of its best 2 experts; megatron-core by its best topk // group_topk.
         return (f"num_experts_per_tok={topk} / topk_group={group_topk}: group-limited routing is only exact when "
                 "num_experts_per_tok // topk_group == 2 (DeepSeek scores a group by its best 2 experts, megatron-core "
                 "by its best num_experts_per_tok // topk_group). Fix: use a model with num_experts_per_tok == "
                 "2 * topk_group, or n_group: 1.")
+    return None
+
+
+_VARIANT_CHECKS = (_activation, _biases, _sliding_window, _moe)
+
+
+def _unsupported_variant(config) -> str | None:
+    """What in a supported family's config (transformers' config, so its defaults apply) megarl cannot build exactly,
+    with the fix; or None. The first of _VARIANT_CHECKS that objects."""
+    for check in _VARIANT_CHECKS:
+        problem = check(config)
+        if problem:
+            return problem
     return None
 
 

@@ -32,6 +32,10 @@ class ModelShape:
     qk_rope_head_dim: Optional[int] = None
     v_head_dim: Optional[int] = None
     tie_word_embeddings: bool = False
+    # The config.json field(s) the expert widths above come from, for messages (class attributes, not dataclass fields:
+    # not part of a preset's model.shape hint); megarl.models.hf.model_shape sets them per family.
+    moe_ffn_field = "moe_intermediate_size"  # Mixtral: intermediate_size
+    shared_expert_field = "shared_expert_intermediate_size"  # DeepSeek-V3 / GLM-4.5: n_shared_experts x moe_...
 
 
 @dataclass
@@ -142,7 +146,9 @@ class ParallelConfig:
         if m.num_experts:
             _divides("num_experts", m.num_experts, "ep", self.ep)
             if m.moe_ffn_hidden_size:
-                _divides("moe_intermediate_size", m.moe_ffn_hidden_size, "etp", self.expert_tp)
+                _divides(m.moe_ffn_field, m.moe_ffn_hidden_size, "etp", self.expert_tp)
+            if m.shared_expert_ffn_hidden_size:  # megatron-core splits the shared experts over tp, not etp
+                _divides(m.shared_expert_field, m.shared_expert_ffn_hidden_size, "tp", self.tp)
         else:
             if self.ep > 1:
                 raise ParallelConfigError(f"parallel.ep={self.ep} but the model has no experts (dense). "
