@@ -36,6 +36,15 @@ def _good_still_scores() -> None:
     assert code_reward(GOOD, TESTS) == 1.0
 
 
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
 def _sandbox_processes() -> set[int]:
     """Live processes running as a sandbox uid (as root, every execution has one from this range): leftovers. Zombies
     do not count: bwrap's init may be reaped by the host's init a moment after the execution ended."""
@@ -43,11 +52,9 @@ def _sandbox_processes() -> set[int]:
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             uid = os.stat(f"/proc/{pid}").st_uid
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if isolation.UID_BASE <= uid < isolation.UID_BASE + isolation.UID_SLOTS and state not in "ZX":
+        if isolation.UID_BASE <= uid < isolation.UID_BASE + isolation.UID_SLOTS and _alive(int(pid)):
             found.add(int(pid))
     return found
 
@@ -498,14 +505,6 @@ def test_reward_pool_scores_and_logs_failures(caplog):
     for reason in ["CodeRewardFailure: test 1 of 2 (line 1) `add(1, 2)`: got -1, expected == 3",
                    "Network is unreachable", "cpu limit (2 s"]:
         assert reason in logged, logged
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except OSError:
-        return False
 
 
 def _leaves_of(pid: int) -> list[str]:
