@@ -47,6 +47,10 @@ def _bad_inputs(tmp, not_sglang_url):
     not_json.write_text("{oops\n")
     empty_model = tmp / "empty_model"
     empty_model.mkdir(exist_ok=True)
+    (tmp / "shards").mkdir(exist_ok=True)
+    (tmp / "shards" / "part-0.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    (tmp / "shards" / "part-1.jsonl").write_text(json.dumps({"prompt": "1+2=", "answer": "3"}) + "\n" +
+                                                 json.dumps({"question": "x"}) + "\n")
     return [
         ("model folder missing", [f"model.path={tmp}/nowhere", "model.tiny=null"], ["model.path", "does not exist"]),
         ("model folder without config", [f"model.path={empty_model}", "model.tiny=null"],
@@ -71,6 +75,17 @@ def _bad_inputs(tmp, not_sglang_url):
         ("model.load=sft before any SFT", ["model.load=sft"], ["model.load", "megarl sft"]),
         ("bad parallel size", ["parallel.tp=0"], ["parallel.tp", "positive"]),
         ("typo in a key", ["rollout.n_sample=4"], ["rollout.n_samples"]),
+        ("unknown reasoning-gym task", ["data.train=reasoning_gym", "reward.name=reasoning_gym",
+                                        "data.reasoning_gym.task=leg_countin"],
+         ["data.reasoning_gym.task", "did you mean leg_counting"]),
+        ("bad reasoning-gym config", ["data.train=reasoning_gym", "reward.name=reasoning_gym",
+                                      "data.reasoning_gym.task=leg_counting", "data.reasoning_gym.config={legs: 3}"],
+         ["data.reasoning_gym.config", "legs", "Fix"]),
+        ("reasoning-gym data, math reward", ["data.train=reasoning_gym", "data.reasoning_gym.task=leg_counting",
+                                            "reward.name=math"],
+         ["reward.name=math", "Fix: reward.name=reasoning_gym"]),
+        ("bad record in a dataset folder", [f"data.train={tmp / 'shards'}"], ["shards", "part-1.jsonl:line 2",
+                                                                             "data.prompt_key"]),
     ]
 
 

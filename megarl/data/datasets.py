@@ -27,8 +27,11 @@ class PromptRecord:
 
 
 def read_records(path: str, limit: int | None = None) -> list[tuple[str, dict]]:
-    """[(where, record)] from a .jsonl/.json lines or .parquet file; `where` is "file:line N" or "file:row N".
-    limit: only the first records (a pre-flight check)."""
+    """[(where, record)] from a .jsonl/.json lines or .parquet file, or a folder: a Hugging Face dataset saved with
+    `save_to_disk` (one split), or shards (*.parquet / *.jsonl, read in name order). `where` is "file:line N" or
+    "file:row N". limit: only the first records (a pre-flight check)."""
+    if os.path.isdir(path):
+        return _read_folder(path, limit)
     if not os.path.isfile(path):
         raise DataError(f"dataset file {path!r} does not exist")
     if path.endswith(".parquet"):
@@ -55,6 +58,40 @@ def read_records(path: str, limit: int | None = None) -> list[tuple[str, dict]]:
                 break
     if not out:
         raise DataError(f"dataset file {path!r} holds no records")
+    return out
+
+
+_SHARDS = (".parquet", ".jsonl", ".json")
+
+
+def _read_folder(path: str, limit: int | None) -> list[tuple[str, dict]]:
+    names = sorted(os.listdir(path))
+    if "dataset_dict.json" in names:  # a DatasetDict: its splits are save_to_disk folders of their own
+        splits = sorted(n for n in names if os.path.isdir(os.path.join(path, n)))
+        raise DataError(f"{path!r} is a Hugging Face DatasetDict with splits {splits}; name one. Fix: e.g. "
+                        f"{os.path.join(path, splits[0] if splits else 'train')!r}")
+    if "state.json" in names:  # Dataset.save_to_disk: read with the `datasets` library that wrote it
+        import datasets
+
+        try:
+            rows = datasets.load_from_disk(path)
+        except Exception as e:  # datasets raises several types for a folder it cannot read
+            raise DataError(f"{path}: not a readable Hugging Face dataset folder ({type(e).__name__}: {e})") from None
+        if limit is not None:
+            rows = rows.select(range(min(limit, len(rows))))
+        out = [(f"{path}:row {i}", r) for i, r in enumerate(rows)]
+    else:
+        shards = [os.path.join(path, n) for n in names if n.endswith(_SHARDS)]
+        if not shards:
+            raise DataError(f"dataset folder {path!r} holds neither a saved Hugging Face dataset (state.json) nor "
+                            f"data shards ({', '.join('*' + e for e in _SHARDS)})")
+        out = []
+        for shard in shards:
+            out += read_records(shard, None if limit is None else limit - len(out))
+            if limit is not None and len(out) >= limit:
+                break
+    if not out:
+        raise DataError(f"dataset folder {path!r} holds no records")
     return out
 
 
@@ -87,29 +124,57 @@ def _check_messages(where: str, messages, key: str) -> None:
             raise DataError(f"{where}: {key}[{i}].role={m['role']!r}; expected system/user/assistant/tool")
 
 
-def load_prompts(spec: str, tokenizer: ChatTokenizer, cfg, split: str = "train", tools=None) -> list[PromptRecord]:
-    """Prompt records for RL. spec: a file path, or "synthetic" (cfg.synthetic's train or held-out split). tools: tool
-    schemas the chat template renders into every prompt (multi-turn tool use)."""
+PROCEDURAL = ("synthetic", "reasoning_gym")  # data sources generated here, each with its own held-out split
+
+
+def prompt_source(spec: str, cfg, split: str = "train") -> list[tuple[str, dict]]:
+    """[(where, record)] of a prompt source: a file or folder (read_records), "synthetic" (cfg.synthetic) or
+    "reasoning_gym" (cfg.reasoning_gym); split: "train" or "eval" (a procedural source's held-out split)."""
     if spec == "synthetic":
         train, held_out = synthetic_splits(cfg.synthetic)
-        records = [(f"synthetic:{split}[{i}]", r) for i, r in enumerate(train if split == "train" else held_out)]
-    else:
-        records = read_records(spec)
-    return [_prompt_record(i, where, record, tokenizer, cfg, tools) for i, (where, record) in enumerate(records)]
+        return [(f"synthetic:{split}[{i}]", r) for i, r in enumerate(train if split == "train" else held_out)]
+    if spec == "reasoning_gym":
+        from . import reasoning_gym
+
+        return [(where, {cfg.messages_key: r["messages"], cfg.answer_key: r["answer"]})
+                for where, r in reasoning_gym.prompt_records(cfg.reasoning_gym, split)]
+    return read_records(spec)
+
+
+def load_prompts(spec: str, tokenizer: ChatTokenizer, cfg, split: str = "train", tools=None) -> list[PromptRecord]:
+    """Prompt records for RL from `prompt_source(spec, cfg, split)`. tools: tool schemas the chat template renders
+    into every prompt (multi-turn tool use)."""
+    return [_prompt_record(i, where, record, tokenizer, cfg, tools)
+            for i, (where, record) in enumerate(prompt_source(spec, cfg, split))]
 
 
 def _prompt_record(index: int, where: str, record: dict, tokenizer: ChatTokenizer | None, cfg, tools=None):
     messages = _messages(where, record, cfg)
-    answer = record.get(cfg.answer_key)
-    if answer is not None and not isinstance(answer, (str, int, float)):
-        raise DataError(f"{where}: field {cfg.answer_key!r} must be a string or number, got {answer!r}")
+    answer = _answer(where, record, cfg.answer_key)
     if tokenizer is None:  # a pre-flight check before the model's tokenizer exists
         return None
     ids = tokenizer.prompt_ids(messages, tools=tools)
     if len(ids) > cfg.max_prompt_tokens:
         raise DataError(f"{where}: the prompt is {len(ids)} tokens, above data.max_prompt_tokens="
                         f"{cfg.max_prompt_tokens}. Fix: shorten it, drop it, or raise the limit")
-    return PromptRecord(index, ids, None if answer is None else str(answer), messages[-1]["content"])
+    return PromptRecord(index, ids, answer, messages[-1]["content"])
+
+
+def _answer(where: str, record: dict, key: str) -> str | None:
+    """The reference a reward checks against, as a string: a string or number as written; an object (structured
+    tests, e.g. {"test": ..., "entry_point": ...}) as its JSON, with the record's "format" field added to it."""
+    answer, fmt = record.get(key), record.get("format")
+    if fmt is not None:
+        if not isinstance(fmt, str) or not isinstance(answer, dict):
+            raise DataError(f"{where}: field 'format'={fmt!r} needs a format name and an object {key!r} holding the "
+                            f"format's fields, got {type(answer).__name__}. Fix the record, e.g. {{\"{key}\": "
+                            '{"test": ..., "entry_point": ...}, "format": "humaneval"}')
+        answer = dict(answer, format=fmt)
+    if isinstance(answer, dict):
+        return json.dumps(answer)
+    if answer is not None and (isinstance(answer, bool) or not isinstance(answer, (str, int, float))):
+        raise DataError(f"{where}: field {key!r} must be a string, number or object, got {answer!r}")
+    return None if answer is None else str(answer)
 
 
 def check_prompt_records(path: str, cfg, tokenizer: ChatTokenizer | None, first: int) -> int:
@@ -121,15 +186,20 @@ def check_prompt_records(path: str, cfg, tokenizer: ChatTokenizer | None, first:
 
 
 def load_sft_samples(spec: str, tokenizer: ChatTokenizer, cfg, tools=None) -> list[SFTSample]:
-    """SFT samples with assistant-only loss masks. spec: a chat JSONL/Parquet file ({"messages": [...]}, optionally
-    "tools": [...] schemas) or "synthetic" (the synthetic task's training problems, answered directly or through the
-    calculator tool). tools: the schemas rendered for records that carry none (the RL prompts' tools)."""
+    """SFT samples with assistant-only loss masks. spec: a chat JSONL/Parquet file or folder ({"messages": [...]},
+    optionally "tools": [...] schemas), "synthetic" (the synthetic task's training problems, answered directly or
+    through the calculator tool) or "reasoning_gym" (its training problems with the reference answers). tools: the schemas rendered for records that carry none (the RL prompts' tools)."""
     if spec == "synthetic":
         train, _ = synthetic_splits(cfg.synthetic)
         noisy = noisy_answers(train, cfg.synthetic.sft_answer_noise, cfg.synthetic.seed + 2)
         problems = [dict(n, answer_true=t["answer"]) for n, t in zip(noisy, train)]
         records = [(f"synthetic:train[{i}]", {cfg.messages_key: messages}) for i, messages in
                    enumerate(tool_use_demonstrations(problems, cfg.synthetic.sft_tool_share, cfg.synthetic.seed + 3))]
+    elif spec == "reasoning_gym":
+        from . import reasoning_gym
+
+        records = [(where, {cfg.messages_key: r["messages"]})
+                   for where, r in reasoning_gym.sft_records(cfg.reasoning_gym)]
     else:
         records = read_records(spec)
     return [_sft_sample(where, record, tokenizer, cfg, tools) for where, record in records]

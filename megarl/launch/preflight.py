@@ -147,6 +147,13 @@ def check_data(cfg, rl: bool, sft: bool, tokenizer, first_records: int, dpo: boo
     if dpo:
         specs.append(("dpo.data", cfg.dpo.data, check_preference_records))
     for field, spec, check in specs:
+        if spec == "reasoning_gym":  # builds both splits: an unknown task or config, or overlapping splits, stop here
+            from ..data.reasoning_gym import problem_splits
+
+            train, held_out = problem_splits(cfg.data.reasoning_gym)
+            done.append(f"{field}: reasoning_gym, {len(train)} training and {len(held_out)} held-out problems, "
+                        "disjoint")
+            continue
         if spec == "synthetic":
             done.append(f"{field}: synthetic")
             continue

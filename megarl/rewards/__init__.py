@@ -7,10 +7,12 @@ parses the reference and the response, LaTeX or plain, and checks mathematical e
 megarl.sandbox and is judged outside it against the answer's tests: 1.0 when all pass; see megarl.rewards.code).
 `reward.name: "my_pkg.rewards:score"` loads a user function by dotted path. `judge` is a generative reward: a model
 served by an engine pool judges each response (megarl.rewards.judge; scored by the rollout, not in this pool);
-`verifier_agreement` trains a verifier: 1 - |its score - the labelled score| (megarl.rewards.judge).
+`reasoning_gym` scores with the response's reasoning-gym task's own scorer
+(megarl.rewards.reasoning_gym); `verifier_agreement` trains a verifier: 1 - |its score - the labelled score| (megarl.rewards.judge).
 """
 from . import code  # registers "code" (tests run in the sandbox)
 from . import judge as _judge  # registers "judge" (a generative reward, scored by the rollout through its pool)
+from . import reasoning_gym as _reasoning_gym  # registers "reasoning_gym" (each task's own score_answer)
 from .functions import REWARDS, exact_match, math_reward, register_reward, resolve_reward
 from .pool import RewardPool
 from ..sandbox import SandboxLimits, SandboxResult, SandboxUnavailable, check_sandbox, run_python

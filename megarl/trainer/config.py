@@ -67,9 +67,25 @@ class SyntheticConfig:
 
 
 @dataclass
+class ReasoningGymConfig:
+    """Procedural tasks from reasoning-gym (data.train / data.eval / sft.data: reasoning_gym), scored by reward.name:
+    reasoning_gym with each task's own score_answer. One task (`task` + `config`) or several (`tasks`: [{name, weight,
+    config}], reasoning-gym's composite). The held-out split comes from eval_seed and never shares a question with
+    the training split (checked before training)."""
+    task: Optional[str] = None
+    config: dict = field(default_factory=dict)  # the task's config fields, e.g. {min_animals: 2, max_animals: 3}
+    tasks: list = field(default_factory=list)
+    size: int = 1000  # training problems
+    seed: int = 0
+    eval_size: int = 100  # held-out problems
+    eval_seed: Optional[int] = None  # None: seed + 1000003
+    system_prompt: Optional[str] = "default"  # a reasoning_gym.utils.SYSTEM_PROMPTS key, or the text; null: none
+
+
+@dataclass
 class DataConfig:
-    train: str = "synthetic"  # JSONL/Parquet file of prompts, or "synthetic" (see synthetic)
-    eval: Optional[str] = None  # held-out prompts; None with train=synthetic: the synthetic held-out split
+    train: str = "synthetic"  # JSONL/Parquet file or folder of prompts, or "synthetic" / "reasoning_gym" (sections below)
+    eval: Optional[str] = None  # held-out prompts; None with train=synthetic/reasoning_gym: that source's held-out split
     prompt_key: str = "prompt"  # a string (user turn) ...
     messages_key: str = "messages"  # ... or a list of chat messages
     answer_key: str = "answer"
@@ -77,6 +93,7 @@ class DataConfig:
     max_prompt_tokens: int = 1024
     shuffle: bool = True
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
 
 
 @dataclass
@@ -511,7 +528,14 @@ class TrainConfig:
                               f"{self.rollout.n_samples}). Fix: rollout.n_samples: 4, or opd_reward_weight: 0")
 
     def _validate_eval_reward(self) -> None:
-        """reward.eval_name, the held-out checker: a reward the reward workers can run."""
+        """reward.eval_name, the held-out checker: a reward the reward workers can run; reasoning-gym prompts are
+        checked by their tasks' scorers."""
+        if "reasoning_gym" in (self.data.train, self.data.eval):
+            for field in ("reward.name", "reward.eval_name"):
+                if self._value(field) in ("math", "exact_match", "code"):
+                    raise ConfigError(f"{field}={self._value(field)}: data from reasoning_gym carries each problem's "
+                                      "recipe as its answer, which only its task's scorer reads. Fix: "
+                                      f"{field}=reasoning_gym")
         if self.reward.eval_name is None:
             return
         if self.reward.eval_name == "judge":

@@ -24,7 +24,7 @@ from ..algorithms.advantages import RETURNS_TEACHER_LOG_RATIO
 from ..algorithms.dynamics import UpdateSparsity, kl_sums
 from ..config import ConfigError, to_dict
 from ..errors import about, on_rank0, on_ranks
-from ..data import ChatTokenizer, load_prompts
+from ..data import PROCEDURAL, ChatTokenizer, load_prompts
 from ..losses import TokenBatch, compute_log_probs, compute_values, prepare_global_batch, train_step
 from ..losses.rl import place_response_values, shift_sequences
 from ..losses.step import holds_results, schedule_layouts
@@ -191,7 +191,7 @@ class RLTrainer:
 
     def _start_rank0(self) -> list:
         cfg, urls = self.cfg, list(self.cfg.rollout.engine.urls)
-        eval_spec = cfg.data.eval or ("synthetic" if cfg.data.train == "synthetic" else None)
+        eval_spec = cfg.data.eval or (cfg.data.train if cfg.data.train in PROCEDURAL else None)
         with about(f"data.eval={eval_spec}"):
             self.eval_records = load_prompts(eval_spec, self.tok, cfg.data, "eval", prompt_tools(cfg)) \
                 if eval_spec else []
