@@ -82,7 +82,8 @@ def test_prompts_render_the_system_prompt_and_score_with_the_tasks_scorer(tok):
 
 
 def test_composite_of_two_tasks_and_exported_entries():
-    cfg = ReasoningGymConfig(tasks=[{"name": "leg_counting", "weight": 1, "config": {"min_animals": 1, "max_animals": 2}},
+    leg_config = {"min_animals": 1, "max_animals": 2}
+    cfg = ReasoningGymConfig(tasks=[{"name": "leg_counting", "weight": 1, "config": leg_config},
                                     {"name": "basic_arithmetic", "weight": 1}], size=60, eval_size=10)
     records = prompt_source("reasoning_gym", DataConfig(reasoning_gym=cfg), "train")
     train, _ = problem_splits(cfg)
@@ -122,7 +123,7 @@ def test_sft_demonstrations_are_the_reference_answers(tok):
 
 def test_config_refuses_a_reward_that_cannot_read_the_problems():
     base = ["model.tiny={}", "data.train=reasoning_gym", "data.reasoning_gym.task=leg_counting"]
-    with pytest.raises(ConfigError, match="reward.name=math.*Fix: reward.name=reasoning_gym"):
+    with pytest.raises(ConfigError, match="reward.name=math: the answers of reasoning_gym.*Fix: reward.name=reasoning_gym"):
         load_train_config(None, base)
     with pytest.raises(ConfigError, match="reward.eval_name=exact_match.*Fix: reward.eval_name=reasoning_gym"):
         load_train_config(None, base + ["reward.name=reasoning_gym", "reward.eval_name=exact_match"])

@@ -128,11 +128,16 @@ PROCEDURAL = ("synthetic", "reasoning_gym")  # data sources generated here, each
 
 
 def prompt_source(spec: str, cfg, split: str = "train") -> list[tuple[str, dict]]:
-    """[(where, record)] of a prompt source: a file or folder (read_records), "synthetic" (cfg.synthetic) or
-    "reasoning_gym" (cfg.reasoning_gym); split: "train" or "eval" (a procedural source's held-out split)."""
+    """[(where, record)] of a prompt source: a file or folder (read_records), "synthetic" (cfg.synthetic),
+    "reasoning_gym" (cfg.reasoning_gym) or "humaneval" (megarl.data.code); split: "train" or "eval" (a procedural
+    source's held-out split)."""
     if spec == "synthetic":
         train, held_out = synthetic_splits(cfg.synthetic)
         return [(f"synthetic:{split}[{i}]", r) for i, r in enumerate(train if split == "train" else held_out)]
+    if spec == "humaneval":
+        from .code import humaneval_records
+
+        return [(where, {cfg.prompt_key: r["prompt"], cfg.answer_key: r["answer"]}) for where, r in humaneval_records()]
     if spec == "reasoning_gym":
         from . import reasoning_gym
 
@@ -150,7 +155,12 @@ def load_prompts(spec: str, tokenizer: ChatTokenizer, cfg, split: str = "train",
 
 def _prompt_record(index: int, where: str, record: dict, tokenizer: ChatTokenizer | None, cfg, tools=None):
     messages = _messages(where, record, cfg)
-    answer = _answer(where, record, cfg.answer_key)
+    if cfg.answer_format is not None:  # a code dataset in its own shape: the answer is built from its columns
+        from .code import code_answer
+
+        answer = json.dumps(code_answer(where, record, cfg.answer_format))
+    else:
+        answer = _answer(where, record, cfg.answer_key)
     if tokenizer is None:  # a pre-flight check before the model's tokenizer exists
         return None
     ids = tokenizer.prompt_ids(messages, tools=tools)
@@ -188,7 +198,8 @@ def check_prompt_records(path: str, cfg, tokenizer: ChatTokenizer | None, first:
 def load_sft_samples(spec: str, tokenizer: ChatTokenizer, cfg, tools=None) -> list[SFTSample]:
     """SFT samples with assistant-only loss masks. spec: a chat JSONL/Parquet file or folder ({"messages": [...]},
     optionally "tools": [...] schemas), "synthetic" (the synthetic task's training problems, answered directly or
-    through the calculator tool) or "reasoning_gym" (its training problems with the reference answers). tools: the schemas rendered for records that carry none (the RL prompts' tools)."""
+    through the calculator tool) or "reasoning_gym" (its training problems with the reference answers). tools: the
+    schemas rendered for records that carry none (the RL prompts' tools)."""
     if spec == "synthetic":
         train, _ = synthetic_splits(cfg.synthetic)
         noisy = noisy_answers(train, cfg.synthetic.sft_answer_noise, cfg.synthetic.seed + 2)

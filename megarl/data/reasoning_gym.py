@@ -152,4 +152,5 @@ def sft_records(cfg) -> list[tuple[str, dict]]:
     prompt asks for (<answer>...</answer>), for an SFT cold start."""
     system = system_prompt(cfg)
     return [(f"reasoning_gym:train[{index}]", {"messages": _messages(system, e["question"]) + [
-        {"role": "assistant", "content": f"<answer>{e['answer']}</answer>"}]}) for _, index, e in problem_splits(cfg)[0]]
+        {"role": "assistant", "content": f"<answer>{e['answer']}</answer>"}]})
+            for _, index, e in problem_splits(cfg)[0]]

@@ -154,6 +154,11 @@ def check_data(cfg, rl: bool, sft: bool, tokenizer, first_records: int, dpo: boo
             done.append(f"{field}: reasoning_gym, {len(train)} training and {len(held_out)} held-out problems, "
                         "disjoint")
             continue
+        if spec == "humaneval" and field.startswith("data."):
+            from ..data import prompt_source
+
+            done.append(f"{field}: humaneval, {len(prompt_source(spec, cfg.data))} problems (an evaluation set)")
+            continue
         if spec == "synthetic":
             done.append(f"{field}: synthetic")
             continue

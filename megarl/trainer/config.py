@@ -84,11 +84,13 @@ class ReasoningGymConfig:
 
 @dataclass
 class DataConfig:
-    train: str = "synthetic"  # JSONL/Parquet file or folder of prompts, or "synthetic" / "reasoning_gym" (sections below)
-    eval: Optional[str] = None  # held-out prompts; None with train=synthetic/reasoning_gym: that source's held-out split
+    # a JSONL/Parquet file or folder of prompts, or "synthetic" / "reasoning_gym" (sections below) / "humaneval"
+    train: str = "synthetic"
+    eval: Optional[str] = None  # held-out prompts; None with a procedural train source: its held-out split
     prompt_key: str = "prompt"  # a string (user turn) ...
     messages_key: str = "messages"  # ... or a list of chat messages
     answer_key: str = "answer"
+    answer_format: Optional[str] = None  # mbpp | apps | livecodebench: code tests from the dataset's own columns
     system_prompt: Optional[str] = None
     max_prompt_tokens: int = 1024
     shuffle: bool = True
@@ -530,12 +532,21 @@ class TrainConfig:
     def _validate_eval_reward(self) -> None:
         """reward.eval_name, the held-out checker: a reward the reward workers can run; reasoning-gym prompts are
         checked by their tasks' scorers."""
-        if "reasoning_gym" in (self.data.train, self.data.eval):
+        from ..data.code import check_answer_format
+
+        check_answer_format(self.data.answer_format)
+        # data whose answers only one built-in reward reads (another built-in one would score every response 0)
+        needs = {"reasoning_gym": "reasoning_gym", "humaneval": "code"}
+        sources = [s for s in (self.data.train, self.data.eval) if s in needs]
+        if self.data.answer_format is not None:
+            sources.append("humaneval")  # code tests too
+        for source in sources:
             for field in ("reward.name", "reward.eval_name"):
-                if self._value(field) in ("math", "exact_match", "code"):
-                    raise ConfigError(f"{field}={self._value(field)}: data from reasoning_gym carries each problem's "
-                                      "recipe as its answer, which only its task's scorer reads. Fix: "
-                                      f"{field}=reasoning_gym")
+                value = self._value(field)
+                if value in ("math", "exact_match", "code", "reasoning_gym") and value != needs[source]:
+                    what = "data.answer_format" if source == "humaneval" and self.data.answer_format else source
+                    raise ConfigError(f"{field}={value}: the answers of {what} are read by reward "
+                                      f"{needs[source]} only. Fix: {field}={needs[source]}")
         if self.reward.eval_name is None:
             return
         if self.reward.eval_name == "judge":
