@@ -5,8 +5,10 @@ import ctypes
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +21,7 @@ from megarl.envs import make_env
 from megarl.envs.tools import python as python_tool
 from megarl.rewards import RewardPool
 from megarl.rewards.code import CodeRewardFailure, code_reward
-from megarl.sandbox import SandboxLimits, SandboxUnavailable, cgroups, isolation, run_python
+from megarl.sandbox import SandboxLimits, SandboxUnavailable, cgroups, isolation, run_python, seccomp
 
 GOOD = "Sure:\n```python\ndef add(a, b):\n    return a + b\n```"
 WRONG = "```python\ndef add(a, b):\n    return a - b\n```"
@@ -119,18 +121,19 @@ print(sorted(os.listdir('/')))
 
 
 def test_tmp_shm_and_workdir_are_private_and_do_not_persist():
-    host_tmp, host_shm = set(os.listdir(tempfile.gettempdir())), set(os.listdir("/dev/shm"))
+    # names of this test's own (other processes may create files in the host's /tmp meanwhile)
+    left, link = f"left-behind-{os.getpid()}", f"link-{os.getpid()}"
     leave = ("import os\nfor d in ['/tmp', '/dev/shm', '/work']:\n"
-             "    open(d + '/left-behind', 'w').write('x')\n"
-             "    os.symlink('/proc/self/environ', d + '/link')\n"
+             f"    open(d + '/{left}', 'w').write('x')\n"
+             f"    os.symlink('/proc/self/environ', d + '/{link}')\n"
              "print(os.getcwd(), sorted(os.listdir('/tmp')))")
     first = run_python(leave)
     assert first.ok and first.stdout.split()[0] == "/work", first
     look = "import os\nprint([sorted(os.listdir(d)) for d in ['/tmp', '/dev/shm', '/work']])"
     second = run_python(look)
     assert second.ok and second.stdout.strip() == "[[], [], ['main.py']]", second
-    assert set(os.listdir(tempfile.gettempdir())) - host_tmp <= {"megarl-sandbox-uids", "megarl-sandbox-python"}
-    assert set(os.listdir("/dev/shm")) == host_shm
+    for host in (tempfile.gettempdir(), "/dev/shm"):
+        assert not {left, link} & set(os.listdir(host)), host
 
 
 def test_deep_directory_tree_and_disk_filling():
@@ -198,6 +201,32 @@ def test_host_unix_sockets_are_unreachable(host_dir):
     finally:
         for server in servers:
             server.close()
+
+
+_VSOCK = ("import socket\nfor make in (lambda: socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM),\n"
+          "             lambda: socket.socketpair(socket.AF_VSOCK, socket.SOCK_STREAM)):\n"
+          "    try:\n        print('OPENED', make())\n    except OSError as e:\n        print('refused', e.errno)\n")
+# io_uring_setup(1, params): io_uring can open sockets without the socket system call
+_IO_URING = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+             "fd = libc.syscall(425, 1, ctypes.create_string_buffer(120))\nprint(fd, ctypes.get_errno())\n")
+
+
+def test_vsock_and_io_uring_are_refused_by_seccomp():
+    """A network namespace does not isolate vsock (on VMs, a way to the host); the seccomp filter refuses the socket
+    family, and io_uring, which could open one behind the filter's back. The same programs run unsandboxed here
+    show what the filter takes away (skipped where the host kernel itself lacks them)."""
+    for out in (run_python(_VSOCK).stdout, python_tool(_VSOCK)):
+        assert out.split("\n")[:2] == ["refused 97", "refused 97"], out  # EAFNOSUPPORT
+    sandboxed = run_python(_IO_URING)
+    assert sandboxed.ok and sandboxed.stdout.split() == ["-1", "1"], sandboxed  # EPERM
+    _assert_fails("import socket\nsocket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)", "Address family not supported",
+                  SLACK_S)
+    host = subprocess.run([sys.executable, "-c", _VSOCK + _IO_URING], capture_output=True, text=True).stdout
+    vsock, _, uring = host.split("\n")[:3]
+    opened = {"AF_VSOCK": vsock.startswith("OPENED"), "io_uring": int(uring.split()[0]) >= 0}
+    lacking = [what for what, ok in opened.items() if not ok]
+    if lacking:
+        pytest.skip(f"the host kernel refuses {lacking} itself ({host!r}): the sandboxed refusals above still ran")
 
 
 _IPC_CREAT, _IPC_RMID = 0o1000, 0
@@ -343,14 +372,29 @@ def test_concurrent_executions_do_not_see_each_other():
 
 # ------------------------------------------------------------------------------------------- forging the reward
 
-FORGERS = {
-    "always-equal object": "class Any:\n    def __eq__(self, other):\n        return True\n"
-                           "    __ne__ = lambda self, other: False\ndef add(a, b):\n    return Any()",
-    "int subclass equal to all": "class I(int):\n    def __eq__(self, other):\n        return True\n"
-                                 "def add(a, b):\n    return I(0)",
-    "exit 0 early": "import os\nos._exit(0)",
-    "sys.exit(0) early": "import sys\nsys.exit(0)",
-    "exit 0 at exit": "import atexit, os\natexit.register(lambda: os._exit(0))\ndef add(a, b):\n    return 0",
+# Written by a solution inside the sandbox: replies in the session's own framing (megarl.sandbox.plain, rebuilt by
+# hand), on every fd it has (one is the reply pipe), as if each call had returned VALUES, then an exit.
+_FORGED_REPLIES = (
+    "import json, os\ndef frame(value):\n    data = json.dumps(value).encode()\n"
+    "    return len(data).to_bytes(8, 'big') + data\n"
+    "forged = frame({'t': ['ready']}) + b''.join(frame({'t': ['value', v]}) for v in VALUES)\n"
+    "for fd in map(int, os.listdir('/proc/self/fd')):\n    try:\n        os.write(fd, forged)\n    except OSError:\n"
+    "        pass\n"
+    "print(VALUES)\nos._exit(0)")
+FORGERS = {  # name: (solution, why it scores 0)
+    "always-equal object": ("class Any:\n    def __eq__(self, other):\n        return True\n"
+                            "    __ne__ = lambda self, other: False\ndef add(a, b):\n    return Any()",
+                            r"add\(1, 2\) returned a Any, which is not plain data"),
+    "int subclass equal to all": ("class I(int):\n    def __eq__(self, other):\n        return True\n"
+                                  "def add(a, b):\n    return I(0)", "returned a I, which is not plain data"),
+    "exit 0 early": ("import os\nos._exit(0)", "loading the solution: the solution's process ended: exit code 0"),
+    "sys.exit(0) early": ("import sys\nsys.exit(0)", "loading the solution raised SystemExit: 0"),
+    "sys.exit(0) in a call": ("import sys\ndef add(a, b):\n    sys.exit(0)", "SolutionError: SystemExit: 0"),
+    "exit 0 at exit": ("import atexit, os\natexit.register(lambda: os._exit(0))\ndef add(a, b):\n    return 0",
+                       r"add\(1, 2\) returned 0"),
+    "patched builtins and math": ("import builtins, math\nbuiltins.abs = lambda x: 0\n"
+                                  "math.isclose = lambda *a, **k: True\nbuiltins.all = builtins.any = lambda x: True\n"
+                                  "def add(a, b):\n    return 0", r"add\(1, 2\) returned 0"),
     # whatever the judged process can read: its files, every frame's code constants and globals; it returns any
     # big number found there, which would be the expected value had the tests been inside
     "expected value from source and code objects": (
@@ -359,80 +403,53 @@ FORGERS = {
         "f = sys._getframe()\nwhile f:\n    found |= {str(c) for c in f.f_code.co_consts if isinstance(c, int)}\n"
         "    found |= {str(v) for v in f.f_globals.values() if isinstance(v, int)}\n    f = f.f_back\n"
         "big = sorted((int(x) for x in found if len(x) >= 6), reverse=True)\n"
-        "def add(a, b):\n    return big[0] if big else 0"),
-    "forged results line": ("import json, sys\nsys.__stdout__.write(json.dumps({'results': [{'v': 3}, {'v': 0}]}) + "
-                            "'\\n')\nsys.__stdout__.flush()\nimport os\nos._exit(0)"),
+        "def add(a, b):\n    return big[0] if big else 0", r"add\(1, 2\) returned 0"),
+    "forged replies and exit": (_FORGED_REPLIES.replace("VALUES", "(True, 3, 0, 10)"), r"add\(1, 2\) returned True"),
+}
+FORGED_TESTS = {  # the same checks as plain asserts and as HumanEval's check(candidate)
+    "asserts": "assert add(1, 2) == 3000000\nassert abs(add(5, 5) - 10) < 1e-9",  # the first expected value is unusual
+    "check(candidate)": {"format": "humaneval", "entry_point": "add",
+                         "test": "def check(candidate):\n    assert candidate(1, 2) == 3000000\n"
+                                 "    assert all([abs(candidate(5, 5) - 10) < 1e-9])\n"},
 }
 
 
+@pytest.mark.parametrize("style", list(FORGED_TESTS))
 @pytest.mark.parametrize("name", list(FORGERS))
-def test_code_reward_cannot_be_forged(name):
-    tests = "assert add(1, 2) == 3000000\nassert add(5, 5) == 10"  # the first expected value is big and unusual
-    with pytest.raises(CodeRewardFailure):
-        code_reward(_solution(FORGERS[name]), tests)
+def test_code_reward_cannot_be_forged(name, style):
+    tests, (forger, reason) = FORGED_TESTS[style], FORGERS[name]
+    with pytest.raises(CodeRewardFailure, match=reason):
+        code_reward(_solution(forger), tests)
     assert code_reward(_solution("def add(a, b):\n    return 3000000 if (a, b) == (1, 2) else a + b"), tests) == 1.0
 
 
-# Truthiness and isclose checks: the expected verdict (true) is guessable, so the verdict must not be computed in the
-# sandbox by code the solution can patch. Each forger gets is_prime right and circle_area wrong, and forges the
-# isclose verdict (both passed before the verdicts moved out of the sandbox).
+# Truthiness, isclose and helper-based checks: the verdict (true) is guessable, and it is computed in the trusted
+# process from the values the solution returned. Each forger gets is_prime right and another function wrong.
 VERDICT_TESTS = ("import math\nassert is_prime(7)\nassert not is_prime(8)\n"
-                 "assert math.isclose(circle_area(2), 4 * math.pi, rel_tol=1e-9)")
-VERDICT_FORGERS = {
-    "patched math.isclose": ("def is_prime(n):\n    return n in (2, 3, 5, 7)\ndef circle_area(r):\n    return 0\n"
-                             "import math\nmath.isclose = lambda *a, **k: True"),
-    "forged verdict line and exit": (
-        "import json, sys, os\nsys.__stdout__.write(json.dumps({'results': [{'v': True}, {'v': False}, {'v': True}]})"
-        " + '\\n')\nsys.__stdout__.flush()\nos._exit(0)"),
+                 "assert math.isclose(circle_area(2), 4 * math.pi, rel_tol=1e-9)\n"
+                 "def is_sorted(x):\n    return all(a <= b for a, b in zip(x, x[1:]))\n"
+                 "assert is_sorted(sort_list([2, 3, 1])) and isinstance(sort_list([2, 1]), list)\n"
+                 "assert all(a == b for a, b in zip(sort_list([3, 1, 2]), [1, 2, 3]))")
+HONEST = ("import math\ndef is_prime(n):\n    return n > 1 and not [d for d in range(2, n) if n % d == 0]\n"
+          "def circle_area(r):\n    return math.pi * r * r\ndef sort_list(x):\n    return sorted(x)")
+VERDICT_FORGERS = {  # name: (solution, why it scores 0)
+    "patched math.isclose and all": (
+        HONEST.replace("math.pi * r * r", "0") + "\nimport builtins\nmath.isclose = lambda *a, **k: True\n"
+        "builtins.all = lambda x: True", r"circle_area\(2\) returned 0"),
+    "always-equal elements": (HONEST.replace("math.pi * r * r", "4 * math.pi").replace(
+        "return sorted(x)", "class Any:\n        __eq__ = __le__ = lambda s, o: True\n    return [Any() for _ in x]"),
+        r"sort_list\(\[2, 3, 1\]\) returned a Any, which is not plain data"),
+    "forged verdict replies and exit": (_FORGED_REPLIES.replace("VALUES", "(True, False, True, True, True, True)"),
+                                        r"circle_area\(2\) returned True"),
 }
 
 
 @pytest.mark.parametrize("name", list(VERDICT_FORGERS))
-def test_truthiness_and_isclose_verdicts_cannot_be_forged(name):
-    with pytest.raises(CodeRewardFailure):
-        code_reward(_solution(VERDICT_FORGERS[name]), VERDICT_TESTS)
-    honest = ("import math\ndef is_prime(n):\n    return n > 1 and all(n % d for d in range(2, n))\n"
-              "def circle_area(r):\n    return math.pi * r * r")
-    assert code_reward(_solution(honest), VERDICT_TESTS) == 1.0
-
-
-@pytest.mark.parametrize("test_line", [
-    "assert all(a == b for a, b in zip(sort_list([3, 1, 2]), [1, 2, 3]))",  # always-equal elements would pass
-    "assert isinstance(sort_list([2, 1]), list)",                           # builtins.isinstance can be patched
-    "def is_sorted(x):\n    return all(a <= b for a, b in zip(x, x[1:]))\nassert is_sorted(sort_list([2, 1]))",
-    "assert sort_list([2, 1]) == [1, 2] and True == True",
-    "assert all(sort_list([2, 1])) == True",
-    "import math\nassert math.isclose(sort_list([2])[0], y)",              # a computed expected value
-])
-def test_verdicts_computed_in_the_sandbox_are_refused(test_line):
-    with pytest.raises(ValueError, match="cannot be judged outside the sandbox|must call the solution's own "
-                                         "function|isclose needs"):
-        code_reward(_solution("def sort_list(x):\n    return sorted(x)"), test_line)
-
-
-def test_code_reward_test_styles():
-    # assert-based (== literal, truthiness, not, isclose, setup statements)
-    tests = ("import math\nassert add(1, 2) == 3\nassert add(1, 1)\nassert not add(0, 0)\n"
-             "assert math.isclose(add(0.1, 0.2), 0.3)\nassert (1, 2) == pair()")
-    solution = "def add(a, b):\n    return a + b\ndef pair():\n    return (1, 2)"
-    assert code_reward(_solution(solution), tests) == 1.0
-    with pytest.raises(CodeRewardFailure, match=r"test 5 of 5 .*got \[1, 2\], expected == \(1, 2\)"):
-        code_reward(_solution(solution.replace("(1, 2)", "[1, 2]")), tests)
-    with pytest.raises(ValueError, match=r"test line 1 `assert add\(1, 2\) > 2` cannot be judged outside"):
-        code_reward(_solution(solution), "assert add(1, 2) > 2")
-    # stdin/stdout cases
-    stdio = json.dumps({"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7"]})
-    summer = "import sys\nprint(sum(map(int, sys.stdin.read().split())))"
-    assert code_reward(_solution(summer), stdio) == 1.0
-    with pytest.raises(CodeRewardFailure, match="case 1 of 2: wrong output"):
-        code_reward(_solution(summer + "\nprint('extra')"), stdio)
-    with pytest.raises(CodeRewardFailure, match="case 1 of 2: exit code 3"):
-        code_reward(_solution(summer + "\nraise SystemExit(3)"), stdio)
-    # function-call cases (tuples compare as JSON lists)
-    calls = {"fn_name": "f", "inputs": [[1, 2], [3, 4]], "outputs": [[3, [1, 2]], [7, [3, 4]]]}
-    assert code_reward(_solution("def f(a, b):\n    return [a + b, (a, b)]"), calls) == 1.0
-    with pytest.raises(CodeRewardFailure, match=r"case 2 of 2: f returned \[7, \(4, 3\)\], expected \[7, \[3, 4\]\]"):
-        code_reward(_solution("def f(a, b):\n    return [a + b, (b, a) if a > 1 else (a, b)]"), calls)
+def test_truthiness_isclose_and_helper_verdicts_cannot_be_forged(name):
+    forger, reason = VERDICT_FORGERS[name]
+    with pytest.raises(CodeRewardFailure, match=reason):
+        code_reward(_solution(forger), VERDICT_TESTS)
+    assert code_reward(_solution(HONEST), VERDICT_TESTS) == 1.0
 
 
 # ------------------------------------------------------------------------------------------------ fail closed
@@ -467,6 +484,29 @@ def test_fails_closed_when_isolation_fails(host_dir, monkeypatch, fake, message)
     assert not os.path.exists(marker)
 
 
+def test_fails_closed_without_the_seccomp_filter(host_dir, monkeypatch):
+    """A bwrap that drops --seccomp (all else real): the preamble sees no filter and nothing runs; on a machine the
+    filter is not written for, nothing is even started."""
+    bwrap = os.path.join(host_dir, "bwrap")
+    with open(bwrap, "w") as f:
+        f.write('#!/bin/sh\nn=0\nfor a in "$@"; do\n  shift\n  if [ "$n" = 1 ]; then n=0; continue; fi\n'
+                '  if [ "$a" = --seccomp ]; then n=1; continue; fi\n  set -- "$@" "$a"\ndone\n'
+                f'exec {shutil.which("bwrap")} "$@"\n')
+    os.chmod(bwrap, 0o755)
+    marker = os.path.join(host_dir, "marker")
+    code = f"open({marker!r}, 'w').write('ran')"
+    monkeypatch.setattr(isolation, "BWRAP", bwrap)
+    with pytest.raises(SandboxUnavailable, match="no seccomp filter is applied"):
+        run_python(code)
+    with pytest.raises(SandboxUnavailable, match="no seccomp filter is applied"):
+        code_reward(_solution(code), TESTS)
+    monkeypatch.setattr(isolation, "BWRAP", "bwrap")
+    monkeypatch.setattr(seccomp.platform, "machine", lambda: "riscv64")
+    with pytest.raises(SandboxUnavailable, match="not 'riscv64'; refusing to run code without it"):
+        run_python(code)
+    assert not os.path.exists(marker)
+
+
 def test_tool_env_turns_tool_failures_into_observations(monkeypatch):
     env = make_env("tool", tools=["python"])
     env.reset({})
@@ -491,7 +531,9 @@ def test_tool_env_turns_tool_failures_into_observations(monkeypatch):
 def test_reward_pool_scores_and_logs_failures(caplog):
     # forkserver workers import megarl.rewards but not megarl.rewards.code, so "code" is unknown there; the dotted
     # path imports (and registers) it inside the worker
-    pool = RewardPool("megarl.rewards.code:code_reward", workers=1, timeout_s=30, kwargs={"cpu_s": 2, "wall_s": 10})
+    # wall clocks far above the CPU limit: on the shared 2-core machine 2 s of CPU can take several seconds
+    pool = RewardPool("megarl.rewards.code:code_reward", workers=1, timeout_s=60,
+                      kwargs={"cpu_s": 2, "wall_s": 30, "call_wall_s": 30})
     items = [(GOOD, TESTS), (WRONG, TESTS),
              (_solution("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)"), TESTS),
              (_solution("while True:\n    pass"), TESTS)]
@@ -502,8 +544,8 @@ def test_reward_pool_scores_and_logs_failures(caplog):
     finally:
         pool.close()
     logged = caplog.text
-    for reason in ["CodeRewardFailure: test 1 of 2 (line 1) `add(1, 2)`: got -1, expected == 3",
-                   "Network is unreachable", "cpu limit (2 s"]:
+    for reason in ["CodeRewardFailure: test line 1 `assert add(1, 2) == 3`: assertion failed (last call: add(1, 2) "
+                   "returned -1)", "Network is unreachable", "cpu limit (2 s"]:
         assert reason in logged, logged
 
 

@@ -155,7 +155,7 @@ def load_prompts(spec: str, tokenizer: ChatTokenizer, cfg, split: str = "train",
 
 def _prompt_record(index: int, where: str, record: dict, tokenizer: ChatTokenizer | None, cfg, tools=None):
     messages = _messages(where, record, cfg)
-    if cfg.answer_format is not None:  # a code dataset in its own shape: the answer is built from its columns
+    if cfg.answer_format is not None and cfg.answer_key not in record:  # a code dataset's own shape: from its columns
         from .code import code_answer
 
         answer = json.dumps(code_answer(where, record, cfg.answer_format))

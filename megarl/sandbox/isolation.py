@@ -4,7 +4,7 @@ the few steps around it, and a per-execution uid when the trainer is root.
     [unshare --mount --propagation private --] sh -c SETUP  (joins the cgroup; as root: binds the interpreter)
       setpriv [--reuid=U --regid=U --clear-groups] --pdeathsig=KILL --      (as root: U is this execution's own uid)
       prlimit --cpu --as --fsize --nproc --core=0 --
-      bwrap --unshare-all --unshare-user --disable-userns --die-with-parent --new-session
+      bwrap --unshare-all --unshare-user --disable-userns --die-with-parent --new-session --seccomp FD
             --ro-bind /usr /usr (+ the /bin, /lib... links) --ro-bind <python> /python --proc /proc --dev /dev
             --size N --tmpfs /tmp --size N --tmpfs /dev/shm --size N --tmpfs /work --file FD /work/main.py ...
             --chdir /work --remount-ro / --remount-ro /dev --
@@ -147,9 +147,9 @@ def _system_dirs() -> list[str]:
 
 
 def command(*, procs_files: list[str], uid: int | None, cpu_s: float, memory_bytes: int, file_bytes: int,
-            nproc: int, disk_bytes: int, files: dict[str, int], shim: list[str]) -> list[str]:
-    """argv of one execution. `files`: path under WORK -> readable fd with its contents; `shim`: what runs inside,
-    after the interpreter path."""
+            nproc: int, disk_bytes: int, files: dict[str, int], seccomp_fd: int, shim: list[str]) -> list[str]:
+    """argv of one execution. `files`: path under WORK -> readable fd with its contents; `seccomp_fd`: a readable fd
+    with the compiled filter (megarl.sandbox.seccomp); `shim`: what runs inside, after the interpreter path."""
     prefix, exe = interpreter()
     bwrap = tool(BWRAP)
     cpu = math.ceil(cpu_s)
@@ -165,7 +165,7 @@ def command(*, procs_files: list[str], uid: int | None, cpu_s: float, memory_byt
     argv += [tool("prlimit"), f"--cpu={cpu}:{cpu + 1}", f"--as={memory_bytes}", f"--fsize={file_bytes}",
              f"--nproc={nproc}", "--core=0", "--"]
     argv += [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-             "--hostname", "sandbox", *_system_dirs(), "--ro-bind", mount_point, PYTHON,
+             "--seccomp", str(seccomp_fd), "--hostname", "sandbox", *_system_dirs(), "--ro-bind", mount_point, PYTHON,
              "--proc", "/proc", "--dev", "/dev"]
     for where in ("/tmp", "/dev/shm", WORK):
         argv += ["--size", str(disk_bytes), "--tmpfs", where]
