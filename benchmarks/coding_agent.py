@@ -5,9 +5,9 @@ by the `code` reward's hidden tests), and what every stage reports.
     .venv/bin/python benchmarks/coding_agent.py [--seed 0] [overrides...]
 
 benchmarks/results/coding_agent.json: {"machine", "seed", "sft_final_nll", "pass_at_1_before", "pass_at_1_after",
-"tool_call_rate_before", "tool_call_rate_after" (held-out episodes with at least one tool call, %), "train_tool_call_rate"
-(per RL step), "train_reward" (per RL step), "wall_s", "config"}. The tiny model is not expected to solve the tasks;
-the numbers show that each stage ran and what it measured.
+"tool_call_rate_before", "tool_call_rate_after" (held-out episodes with at least one tool call, %),
+"train_tool_call_rate" (per RL step), "train_reward" (per RL step), "wall_s", "config"}. The tiny model is not
+expected to solve the tasks; the numbers show that each stage ran and what it measured.
 """
 from __future__ import annotations
 

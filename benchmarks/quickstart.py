@@ -35,6 +35,7 @@ def run_seed(seed: int, work: str) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     log = run_dir + ".log"
     os.makedirs(work, exist_ok=True)
+    load = round(os.getloadavg()[0], 2)  # 1-minute load average: wall_s depends on what else runs
     start = time.perf_counter()
     with open(log, "w") as f:
         rc = subprocess.run(["bash", "launchers/quickstart.sh", f"seed={seed}", f"run_dir={run_dir}"], cwd=ROOT,
@@ -47,7 +48,8 @@ def run_seed(seed: int, work: str) -> dict:
         summary = json.load(f)
     m = machine()
     return {"seed": seed, "pass_at_1_before": summary["pass_at_1_before"],
-            "pass_at_1_after": summary["pass_at_1_after"], "wall_s": round(wall, 1), "cpu": m["cpu"], "cores": m["cores"],
+            "pass_at_1_after": summary["pass_at_1_after"], "wall_s": round(wall, 1), "cpu": m["cpu"],
+            "cores": m["cores"], "load_average_at_start": load,
             "date": datetime.date.today().isoformat(), "config": "configs/quickstart.yaml"}
 
 

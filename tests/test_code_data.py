@@ -44,9 +44,18 @@ APPS_STDIO = {"question": "Print the sum of two integers.",
               "input_output": json.dumps({"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]})}
 APPS_CALL = {"question": "Write add(a, b).",
              "input_output": json.dumps({"fn_name": "add", "inputs": [[1, 2], [3, 4]], "outputs": [[3], [7]]})}
+def _lite(cases: list) -> str:
+    """LiveCodeBench code_generation_lite's private tests: base64(zlib(pickle(json string)))."""
+    import base64
+    import pickle
+    import zlib
+
+    return base64.b64encode(zlib.compress(pickle.dumps(json.dumps(cases)))).decode()
+
+
 LCB_FUNCTIONAL = {"question_content": "Return the sum of nums.", "metadata": json.dumps({"func_name": "total"}),
                   "public_test_cases": json.dumps([{"input": "[1, 2, 3]", "output": "6", "testtype": "functional"}]),
-                  "private_test_cases": json.dumps([{"input": "[]\n", "output": "0", "testtype": "functional"}])}
+                  "private_test_cases": _lite([{"input": "[]\n", "output": "0", "testtype": "functional"}])}
 LCB_STDIN = {"question_content": "Echo.", "metadata": "{}",
              "public_test_cases": json.dumps([{"input": "5\n", "output": "5\n", "testtype": "stdin"}]),
              "private_test_cases": ""}
@@ -59,7 +68,7 @@ LCB_STDIN = {"question_content": "Echo.", "metadata": "{}",
     ("apps", "question", APPS_CALL, {"format": "call", "fn_name": "add", "inputs": [[1, 2], [3, 4]],
                                      "outputs": [3, 7]}),
     ("livecodebench", "question_content", LCB_FUNCTIONAL, {"format": "call", "fn_name": "total",
-                                                           "inputs": [[[1, 2, 3]], [[]]], "outputs": [6, 0]}),
+                                                           "inputs": ["[1, 2, 3]", "[]\n"], "outputs": ["6", "0"]}),
     ("livecodebench", "question_content", LCB_STDIN, {"format": "stdio", "inputs": ["5\n"], "outputs": ["5\n"]}),
 ], ids=["mbpp", "apps-stdio", "apps-call", "lcb-functional", "lcb-stdin"])
 def test_dataset_columns_become_the_answer(tmp_path, tok, fmt, prompt_key, record, answer):
@@ -67,6 +76,28 @@ def test_dataset_columns_become_the_answer(tmp_path, tok, fmt, prompt_key, recor
     rec, = load_prompts(path, tok, DataConfig(prompt_key=prompt_key, answer_format=fmt))
     assert json.loads(rec.answer) == answer
     assert rec.text == record[prompt_key]
+
+
+SOLUTIONS = {"mbpp": MBPP["code"], "apps-stdio": "print(sum(map(int, input().split())))",
+             "apps-call": "def add(a, b):\n    return a + b",
+             "lcb-functional": "def total(nums):\n    return sum(nums)",
+             "lcb-stdin": "print(input())"}
+
+
+@pytest.mark.parametrize("name, fmt, prompt_key, record", [
+    ("mbpp", "mbpp", "text", MBPP), ("apps-stdio", "apps", "question", APPS_STDIO),
+    ("apps-call", "apps", "question", APPS_CALL),
+    ("lcb-functional", "livecodebench", "question_content", LCB_FUNCTIONAL),
+    ("lcb-stdin", "livecodebench", "question_content", LCB_STDIN)], ids=lambda x: x if isinstance(x, str) else "")
+def test_the_code_reward_judges_each_datasets_answers(tmp_path, tok, name, fmt, prompt_key, record):
+    from megarl.rewards.code import CodeRewardFailure, code_reward
+
+    rec, = load_prompts(_jsonl(tmp_path / "data.jsonl", [record]), tok,
+                        DataConfig(prompt_key=prompt_key, answer_format=fmt))
+    assert code_reward(f"```python\n{SOLUTIONS[name]}\n```", rec.answer) == 1.0
+    with pytest.raises(CodeRewardFailure):
+        code_reward("```python\ndef add(a, b):\n    return 0\ndef total(nums):\n    return 0\n"
+                    "def similar_elements(a, b):\n    return ()\nprint(0)\n```", rec.answer)
 
 
 def test_a_record_of_another_shape_is_one_line_naming_the_row(tmp_path, tok):

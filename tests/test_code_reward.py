@@ -229,6 +229,25 @@ def test_exceptions_the_tests_expect_and_those_they_do_not():
            r"SolutionError: Oops: no \(last call: add\(1, 2\) raised Oops\)")
 
 
+def test_control_flow_exceptions_and_unencodable_arguments_cannot_decide_the_verdict():
+    """A StopIteration raised into the trusted test would end the iteration that called the solution (all(...) True,
+    sum(...) 0); a non-plain argument's TypeError would be one the test may expect from the solution."""
+    tests = "assert all(map(is_odd, [1, 3, 5]))\nassert sum(map(is_odd, [2, 4])) == 0"
+    assert code_reward(_solution("def is_odd(n):\n    return n % 2 == 1"), tests) == 1.0
+    _fails("def is_odd(n):\n    raise StopIteration", tests, "SolutionError: StopIteration")
+    _fails("def is_odd(n):\n    raise StopAsyncIteration", tests, "SolutionError: StopAsyncIteration")
+    expects_type_error = "try:\n    add(object(), 1)\nexcept TypeError:\n    pass\nelse:\n    assert False"
+    _fails(GOOD, expects_type_error, r"add\(\.\.\.\): the test passed a object, which is not plain data")
+    _fails(GOOD, "import sys\nsys.exit(0)", "SystemExit")
+
+
+def test_stdio_cases_written_as_lists_of_lines():
+    answer = {"format": "stdio", "inputs": [["2", "3 4"]], "outputs": [["7"]]}  # APPS / TACO store some like this
+    solution = "input()\nprint(sum(map(int, input().split())))"
+    assert code_reward(_solution(solution), answer) == 1.0
+    _fails("input()\nprint(0)", answer, "wrong output")
+
+
 @pytest.mark.parametrize("code, reason", [
     ("raise ImportError('no such thing')", "loading the solution raised ImportError: no such thing"),
     ("import sys\nsys.exit(0)", "loading the solution raised SystemExit: 0"),

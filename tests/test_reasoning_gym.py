@@ -123,7 +123,8 @@ def test_sft_demonstrations_are_the_reference_answers(tok):
 
 def test_config_refuses_a_reward_that_cannot_read_the_problems():
     base = ["model.tiny={}", "data.train=reasoning_gym", "data.reasoning_gym.task=leg_counting"]
-    with pytest.raises(ConfigError, match="reward.name=math: the answers of reasoning_gym.*Fix: reward.name=reasoning_gym"):
+    with pytest.raises(ConfigError, match="reward.name=math: the answers of reasoning_gym.*Fix: "
+                                          "reward.name=reasoning_gym"):
         load_train_config(None, base)
     with pytest.raises(ConfigError, match="reward.eval_name=exact_match.*Fix: reward.eval_name=reasoning_gym"):
         load_train_config(None, base + ["reward.name=reasoning_gym", "reward.eval_name=exact_match"])
@@ -156,6 +157,7 @@ def test_folder_of_shards_in_name_order_and_bad_rows_named(tmp_path, tok):
     pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", "2"]}), folder / "part-000.parquet")
     (folder / "part-001.jsonl").write_text('{"prompt": "c", "answer": "3"}\n{"prompt": "d"}\n')
     (folder / "README.md").write_text("not data")
+    (folder / "dataset_info.json").write_text("{}")  # metadata, not a shard
     records = read_records(str(folder))
     assert [r["prompt"] for _, r in records] == ["a", "b", "c", "d"]
     assert [w.rsplit("/", 1)[-1] for w, _ in records] == ["part-000.parquet:row 0", "part-000.parquet:row 1",
@@ -164,6 +166,10 @@ def test_folder_of_shards_in_name_order_and_bad_rows_named(tmp_path, tok):
     (folder / "part-002.jsonl").write_text('{"prompt": "e", "answer": [1]}\n')
     with pytest.raises(DataError, match=r"part-002.jsonl:line 1: field 'answer' must be a string, number or object"):
         load_prompts(str(folder), tok, DataConfig())
+    (folder / "test-000.jsonl").write_text('{"prompt": "z", "answer": "9"}\n')
+    (folder / "train-000.jsonl").write_text('{"prompt": "y", "answer": "8"}\n')
+    with pytest.raises(DataError, match=r"holds the shards of several splits \(test, train\).*Fix: point at one"):
+        read_records(str(folder))
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(DataError, match="holds neither a saved Hugging Face dataset"):
@@ -176,6 +182,32 @@ def test_structured_answers_with_a_format_travel_as_json(tmp_path, tok):
                                 "format": "humaneval"}) + "\n")
     record, = load_prompts(str(path), tok, DataConfig())
     assert json.loads(record.answer) == {"test": "def check(c): pass", "entry_point": "f", "format": "humaneval"}
-    path.write_text(json.dumps({"prompt": "write f", "answer": "assert f() == 1", "format": "humaneval"}) + "\n")
-    with pytest.raises(DataError, match=r"code.jsonl:line 1: field 'format'='humaneval' needs .* an object"):
+    # beside a string answer a "format" column is some other field of the dataset: the answer stays as written
+    path.write_text(json.dumps({"prompt": "pick one", "answer": "B", "format": "multiple_choice"}) + "\n")
+    assert load_prompts(str(path), tok, DataConfig())[0].answer == "B"
+    path.write_text(json.dumps({"prompt": "write f", "answer": {"tests": "assert f() == 1"}, "format": 3}) + "\n")
+    with pytest.raises(DataError, match=r"code.jsonl:line 1: field 'format'=3 must be a format name"):
         load_prompts(str(path), tok, DataConfig())
+
+
+def test_seed_ranges_and_configs_that_would_mix_the_splits_are_refused():
+    with pytest.raises(ConfigError, match=r"eval_seed=1: problem i is generated from seed \+ i.*Fix: an eval_seed "
+                                          r"outside \[-39, 99\]"):
+        problem_splits(ReasoningGymConfig(task="leg_counting", size=100, eval_size=10, eval_seed=1))
+    train, held_out = problem_splits(ReasoningGymConfig(task="leg_counting", size=100, eval_size=10, eval_seed=100))
+    assert len(held_out) == 10
+    with pytest.raises(ConfigError, match=r"data.reasoning_gym.config sets seed or size"):
+        problem_splits(ReasoningGymConfig(task="leg_counting", config={"seed": 3}))
+    with pytest.raises(ConfigError, match=r"tasks\[0\].config sets seed or size"):
+        problem_splits(ReasoningGymConfig(tasks=[{"name": "leg_counting", "config": {"size": 3}}]))
+    with pytest.raises(ConfigError, match=r"config is for one task.*Fix: move it into tasks\[i\].config"):
+        problem_splits(ReasoningGymConfig(tasks=[{"name": "leg_counting"}], config={"max_animals": 3}))
+
+
+def test_each_split_is_paired_with_the_reward_that_scores_it():
+    base = ["model.tiny={}", "data.train=reasoning_gym", "data.reasoning_gym.task=leg_counting",
+            "reward.name=reasoning_gym"]
+    # held-out prompts from a file of another kind, scored by their own checker: fine
+    assert load_train_config(None, base + ["data.eval=gsm8k.jsonl", "reward.eval_name=math"]).reward.eval_name == "math"
+    with pytest.raises(ConfigError, match=r"reward.eval_name=math: the answers of reasoning_gym"):
+        load_train_config(None, base + ["reward.eval_name=math"])  # held-out split: reasoning_gym's own

@@ -6,12 +6,17 @@
 - A JSONL/Parquet file or folder with `data.answer_format` set builds each record's answer from the dataset's own
   columns: `mbpp` (test_list, test_setup_code, test_imports), `apps` (APPS / TACO: input_output, a JSON string of
   {"inputs", "outputs"[, "fn_name"]}: stdin/stdout cases, or function calls with fn_name), `livecodebench`
-  (public_test_cases / private_test_cases: JSON lists of {"input", "output", "testtype": "stdin" | "functional"},
-  and metadata's func_name for functional cases). The prompt comes from data.prompt_key as usual (MBPP: text).
+  (public_test_cases / private_test_cases: JSON lists of {"input", "output", "testtype": "stdin" | "functional"}, the
+  private ones also as code_generation_lite stores them, base64 of zlib of a pickled JSON string; metadata's
+  func_name for functional cases). The prompt comes from data.prompt_key as usual (MBPP: text).
 """
 from __future__ import annotations
 
+import base64
+import io
 import json
+import pickle
+import zlib
 
 from ..config import ConfigError
 
@@ -64,11 +69,29 @@ def _apps(record: dict) -> dict:
     return {"format": "stdio", "inputs": cases["inputs"], "outputs": cases["outputs"]}
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):  # only str / list / dict values: no class is ever loaded
+        raise _Missing(f"a pickled {module}.{name} in the test cases")
+
+
+def _test_cases(record: dict, key: str) -> list:
+    """LiveCodeBench's test cases: JSON text, or (code_generation_lite's private tests) base64 of zlib of a pickle
+    of that JSON text."""
+    value = record[key]
+    if isinstance(value, str) and not value.lstrip().startswith("["):
+        try:
+            value = _PlainUnpickler(io.BytesIO(zlib.decompress(base64.b64decode(value)))).load()
+        except (ValueError, zlib.error, pickle.UnpicklingError, EOFError) as e:
+            raise _Missing(f"field {key!r} is neither JSON nor base64-zlib-pickled JSON ({type(e).__name__})") \
+                from None
+    return _json_field({key: value}, key)
+
+
 def _livecodebench(record: dict) -> dict:
     cases = []
     for key in ("public_test_cases", "private_test_cases"):
         if record.get(key) not in (None, ""):
-            cases += _json_field(record, key)
+            cases += _test_cases(record, key)
     if not cases:
         raise _Missing("no 'public_test_cases' or 'private_test_cases'")
     kinds = {c.get("testtype") for c in cases}
@@ -78,10 +101,10 @@ def _livecodebench(record: dict) -> dict:
         name = (_json_field(record, "metadata") or {}).get("func_name")
         if not name:
             raise _Missing("functional test cases need metadata's 'func_name'")
-        # LiveCodeBench writes a call's arguments one JSON value per line, and the return value as JSON
-        return {"format": "call", "fn_name": name,
-                "inputs": [[json.loads(line) for line in c["input"].split("\n") if line.strip()] for c in cases],
-                "outputs": [json.loads(c["output"]) for c in cases]}
+        # as LiveCodeBench writes them (arguments one JSON value per line, the return value as JSON): the code
+        # reward's call format reads them
+        return {"format": "call", "fn_name": name, "inputs": [c["input"] for c in cases],
+                "outputs": [c["output"] for c in cases]}
     raise _Missing(f"test cases of testtype {sorted(map(str, kinds))}; expected all 'stdin' or all 'functional'")
 
 

@@ -61,7 +61,8 @@ def read_records(path: str, limit: int | None = None) -> list[tuple[str, dict]]:
     return out
 
 
-_SHARDS = (".parquet", ".jsonl", ".json")
+_SHARDS = (".parquet", ".jsonl")  # not *.json: a dataset folder's metadata files (dataset_info.json, ...)
+_SPLITS = ("train", "test", "validation", "valid", "dev", "eval", "prompt")  # split prefixes of shard names
 
 
 def _read_folder(path: str, limit: int | None) -> list[tuple[str, dict]]:
@@ -85,6 +86,11 @@ def _read_folder(path: str, limit: int | None) -> list[tuple[str, dict]]:
         if not shards:
             raise DataError(f"dataset folder {path!r} holds neither a saved Hugging Face dataset (state.json) nor "
                             f"data shards ({', '.join('*' + e for e in _SHARDS)})")
+        splits = sorted({s for n in names if n.endswith(_SHARDS) for s in _SPLITS if n.lower().startswith(s)})
+        if len(splits) > 1:  # e.g. MBPP's train-*, test-*, validation-*, prompt-* parquet files side by side
+            raise DataError(f"dataset folder {path!r} holds the shards of several splits ({', '.join(splits)}); "
+                            "reading them all would mix them. Fix: point at one split's file, or a folder of its "
+                            "shards only")
         out = []
         for shard in shards:
             out += read_records(shard, None if limit is None else limit - len(out))
@@ -172,15 +178,13 @@ def _prompt_record(index: int, where: str, record: dict, tokenizer: ChatTokenize
 
 def _answer(where: str, record: dict, key: str) -> str | None:
     """The reference a reward checks against, as a string: a string or number as written; an object (structured
-    tests, e.g. {"test": ..., "entry_point": ...}) as its JSON, with the record's "format" field added to it."""
+    tests, e.g. {"test": ..., "entry_point": ...}) as its JSON, with the record's "format" field (if any) added."""
     answer, fmt = record.get(key), record.get("format")
-    if fmt is not None:
-        if not isinstance(fmt, str) or not isinstance(answer, dict):
-            raise DataError(f"{where}: field 'format'={fmt!r} needs a format name and an object {key!r} holding the "
-                            f"format's fields, got {type(answer).__name__}. Fix the record, e.g. {{\"{key}\": "
-                            '{"test": ..., "entry_point": ...}, "format": "humaneval"}')
-        answer = dict(answer, format=fmt)
-    if isinstance(answer, dict):
+    if isinstance(answer, dict):  # a "format" column only means the answer's format beside an object answer
+        if fmt is not None:
+            if not isinstance(fmt, str):
+                raise DataError(f"{where}: field 'format'={fmt!r} must be a format name, e.g. \"humaneval\"")
+            answer = dict(answer, format=fmt)
         return json.dumps(answer)
     if answer is not None and (isinstance(answer, bool) or not isinstance(answer, (str, int, float))):
         raise DataError(f"{where}: field {key!r} must be a string, number or object, got {answer!r}")

@@ -41,9 +41,17 @@ def dataset_specs(cfg) -> list[dict]:
     if (cfg.task is None) == (not cfg.tasks):
         raise ConfigError("data.reasoning_gym: set either task (one task, with config) or tasks (a list of {name, "
                           "weight, config}). Fix: e.g. data.reasoning_gym.task=leg_counting")
+    for field, config in [("config", cfg.config)] + [(f"tasks[{i}].config", t.get("config") or {})
+                                                    for i, t in enumerate(cfg.tasks) if isinstance(t, dict)]:
+        if {"seed", "size"} & set(config or {}):
+            raise ConfigError(f"data.reasoning_gym.{field} sets seed or size, which data.reasoning_gym.seed / size / "
+                              "eval_seed / eval_size decide for both splits. Fix: remove them from the task's config")
     if cfg.task is not None:
         check_task(cfg.task, "data.reasoning_gym.task")
         return [{"name": cfg.task, "weight": 1.0, "config": dict(cfg.config or {})}]
+    if cfg.config:
+        raise ConfigError("data.reasoning_gym.config is for one task (data.reasoning_gym.task); with tasks, each "
+                          "entry has its own config. Fix: move it into tasks[i].config")
     specs = []
     for i, t in enumerate(cfg.tasks):
         if not isinstance(t, dict) or "name" not in t or set(t) - {"name", "weight", "config"}:
@@ -111,10 +119,13 @@ def problem_splits(cfg) -> tuple[list[tuple[dict, int, dict]], list[tuple[dict, 
     train = [(train_recipe, i, entry(train_recipe, i)) for i in range(cfg.size)]
     questions = {e["question"] for _, _, e in train}
     eval_seed = cfg.seed + _EVAL_SEED_OFFSET if cfg.eval_seed is None else cfg.eval_seed
-    if eval_seed == cfg.seed:
-        raise ConfigError(f"data.reasoning_gym.eval_seed={eval_seed} equals seed: the held-out split would be the "
-                          "training split. Fix: another eval_seed (or leave it unset)")
     candidates = cfg.eval_size * _EVAL_CANDIDATES
+    # problem i of a dataset is generated from Random(seed + i): the two splits' seed ranges must not overlap
+    if cfg.seed - candidates < eval_seed < cfg.seed + cfg.size:
+        raise ConfigError(f"data.reasoning_gym.eval_seed={eval_seed}: problem i is generated from seed + i, so the "
+                          f"held-out problems (eval_seed .. eval_seed + {candidates - 1}) would repeat training ones "
+                          f"(seed {cfg.seed} .. {cfg.seed + cfg.size - 1}). Fix: an eval_seed outside "
+                          f"[{cfg.seed - candidates + 1}, {cfg.seed + cfg.size - 1}], or leave it unset")
     eval_recipe = _recipe(specs, eval_seed, candidates)
     held_out = []
     for i in range(candidates):

@@ -8,7 +8,8 @@ megarl.sandbox and is judged outside it against the answer's tests: 1.0 when all
 `reward.name: "my_pkg.rewards:score"` loads a user function by dotted path. `judge` is a generative reward: a model
 served by an engine pool judges each response (megarl.rewards.judge; scored by the rollout, not in this pool);
 `reasoning_gym` scores with the response's reasoning-gym task's own scorer
-(megarl.rewards.reasoning_gym); `verifier_agreement` trains a verifier: 1 - |its score - the labelled score| (megarl.rewards.judge).
+(megarl.rewards.reasoning_gym); `verifier_agreement` trains a verifier: 1 - |its score - the labelled score|
+(megarl.rewards.judge).
 """
 from . import code  # registers "code" (tests run in the sandbox)
 from . import judge as _judge  # registers "judge" (a generative reward, scored by the rollout through its pool)

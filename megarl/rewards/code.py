@@ -237,7 +237,7 @@ def _judge_tests(solution: str, limits: SandboxLimits, fmt: str, sources: dict[s
             else:
                 for name in sources:
                     tests.run(name)
-        except (Exception, SessionFailed) as e:
+        except (Exception, SessionFailed, SystemExit) as e:  # SystemExit: a test that calls sys.exit()
             raise CodeRewardFailure(tests.reason(e)) from None
         if session.failure is not None:  # the test code caught the failure (a bare except): still a failure
             raise CodeRewardFailure(session.failure)
@@ -318,15 +318,21 @@ def _normalise_output(text: str) -> list[str]:
     return lines
 
 
+def _text(case) -> str:
+    """A stdio case's text: APPS / TACO store some as lists of lines (their harness joins them with newlines)."""
+    return "\n".join(map(str, case)) if isinstance(case, list) else str(case)
+
+
 def _judge_stdio(solution: str, answer: dict, limits: SandboxLimits) -> None:
     inputs, outputs = _cases(answer, "stdio")
     for i, (stdin, want) in enumerate(zip(inputs, outputs)):
-        result = run_python(solution, stdin=str(stdin), limits=limits)
+        stdin, want = _text(stdin), _text(want)
+        result = run_python(solution, stdin=stdin, limits=limits)
         if not result.ok:
             raise CodeRewardFailure(f"case {i + 1} of {len(inputs)}: {result.reason}")
-        if _normalise_output(result.stdout) != _normalise_output(str(want)):
+        if _normalise_output(result.stdout) != _normalise_output(want):
             raise CodeRewardFailure(f"case {i + 1} of {len(inputs)}: wrong output {show(result.stdout)}, expected "
-                                    f"{show(str(want))}")
+                                    f"{show(want)}")
 
 
 _JUDGES = {"asserts": _judge_asserts, "call": _judge_calls, "humaneval": _judge_humaneval, "mbpp": _judge_mbpp,

@@ -112,12 +112,18 @@ class SolutionError(Exception):
     """The solution raised an exception that is not a builtin Exception class: "TypeName: message"."""
 
 
+# Exceptions that are control flow, not errors: a StopIteration raised into the trusted test would end whatever
+# iteration called the proxy (all(map(f, xs)) would be True, sum(map(f, xs)) 0), forging a pass. They arrive as
+# SolutionError (as PEP 479 turns a StopIteration inside a generator into a RuntimeError).
+_CONTROL_FLOW = (StopIteration, StopAsyncIteration)
+
+
 def _exception(type_name: str, message: str) -> Exception:
     """What a call raises in the caller: the builtin Exception class of that name with the message (so that tests
     expecting, say, a ValueError see one), else SolutionError. Only classes and text from here: nothing the solution
     made."""
     cls = getattr(builtins, type_name, None)
-    if isinstance(cls, type) and issubclass(cls, Exception):
+    if isinstance(cls, type) and issubclass(cls, Exception) and not issubclass(cls, _CONTROL_FLOW):
         try:
             return cls(message)
         except Exception:  # a class whose constructor wants other arguments (UnicodeDecodeError...)
@@ -212,8 +218,13 @@ class Session:
     def call(self, name: str, args: tuple = (), kwargs: dict | None = None):
         """solution.<name>(*args, **kwargs)'s result, decoded (plain data of exact builtin types). Raises the builtin
         exception the call raised (same class and message) or SolutionError; SessionFailed when the session cannot
-        go on; plain.NotPlain (a TypeError) when args or kwargs are not plain data."""
+        go on, also when the test's args or kwargs are not plain data (a TypeError there could be one the test
+        expects from the solution)."""
         args, kwargs = tuple(args), dict(kwargs or {})
+        try:
+            plain.encode((args, kwargs))
+        except plain.NotPlain as e:
+            self._fail(f"{name}(...): the test passed {e}; such a call cannot cross into the sandbox")
         reply = self._exchange(("call", name, args, kwargs), lambda: self._shown_call(name, args, kwargs))
         if reply[:1] == ("value",) and len(reply) == 2:
             self._last = (name, args, kwargs, "returned", reply[1])

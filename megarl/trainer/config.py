@@ -536,17 +536,17 @@ class TrainConfig:
 
         check_answer_format(self.data.answer_format)
         # data whose answers only one built-in reward reads (another built-in one would score every response 0)
+        # (the training prompts are scored by reward.name, the held-out ones by reward.eval_name or else reward.name)
         needs = {"reasoning_gym": "reasoning_gym", "humaneval": "code"}
-        sources = [s for s in (self.data.train, self.data.eval) if s in needs]
-        if self.data.answer_format is not None:
-            sources.append("humaneval")  # code tests too
-        for source in sources:
-            for field in ("reward.name", "reward.eval_name"):
-                value = self._value(field)
-                if value in ("math", "exact_match", "code", "reasoning_gym") and value != needs[source]:
-                    what = "data.answer_format" if source == "humaneval" and self.data.answer_format else source
-                    raise ConfigError(f"{field}={value}: the answers of {what} are read by reward "
-                                      f"{needs[source]} only. Fix: {field}={needs[source]}")
+        eval_source = self.data.eval or self.data.train
+        eval_field = "reward.eval_name" if self.reward.eval_name else "reward.name"
+        for source, field in ((self.data.train, "reward.name"), (eval_source, eval_field)):
+            need = needs.get("humaneval" if self.data.answer_format else source)  # answer_format: code tests
+            value = self._value(field)
+            if need and value in ("math", "exact_match", "code", "reasoning_gym") and value != need:
+                what = "data.answer_format" if self.data.answer_format else source
+                raise ConfigError(f"{field}={value}: the answers of {what} are read by reward {need} only. Fix: "
+                                  f"{field}={need}")
         if self.reward.eval_name is None:
             return
         if self.reward.eval_name == "judge":

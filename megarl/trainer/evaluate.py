@@ -1,8 +1,9 @@
 """`megarl eval CONFIG [overrides] [--samples N] [--responses FILE] [--out DIR]` (under torchrun): evaluate the
 policy the run folder holds (its latest checkpoint, else model.load / model.path) the way papers report it.
 
-- Held-out prompts (data.eval, or the synthetic held-out split): N samples each from SGLang (single- or multi-turn,
-  as configured) -> the unbiased pass@k estimator for k = 1..N (a curve, <out>/pass_at_k.png), mean@N, maj@N.
+- Held-out prompts (data.eval, or a procedural source's held-out split): N samples each from SGLang (single- or
+  multi-turn, as configured) -> the unbiased pass@k estimator for k = 1..N (a curve, <out>/pass_at_k.png), mean@N,
+  maj@N.
 - Given responses (a JSONL of prompt + "response"): perplexity and mean token entropy under the trainer's model
   (Megatron, vocab-parallel), and perplexity under the engine (SGLang prompt log-probs) on the same token ids.
 Writes <out>/eval.json (default out: <run_dir>/eval).
