@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     run_dir = os.path.join(ROOT, "runs", "bench-coding-agent")
     shutil.rmtree(run_dir, ignore_errors=True)
     log = run_dir + ".log"
+    os.makedirs(os.path.dirname(run_dir), exist_ok=True)
     start = time.perf_counter()
     with open(log, "w") as f:
         rc = subprocess.run(["bash", "launchers/coding_agent.sh", f"run_dir={run_dir}", f"seed={seed}",
