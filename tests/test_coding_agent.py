@@ -71,3 +71,8 @@ def test_trajectories_run_fix_submit_with_real_tool_outputs(data, tok):
         for m in messages:
             if m["role"] == "tool":
                 assert m["content"].strip() not in trained  # observations carry no loss
+
+
+def test_too_many_tasks_is_an_error_not_a_hang(tmp_path):
+    with pytest.raises(ValueError, match=r"distinct tasks exist, fewer than --tasks 5000"):
+        write(str(tmp_path), tasks=5000, held_out=40)

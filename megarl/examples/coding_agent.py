@@ -21,11 +21,11 @@ import json
 import os
 import random
 
-_SHAPES = [
-    ("linear", lambda r: (r.randint(2, 9), r.randint(1, 9)), "{a} * x + {b}"),
-    ("quadratic", lambda r: (r.randint(1, 3), r.randint(1, 9)), "{a} * x * x + {b}"),
-    ("absolute", lambda r: (r.randint(1, 9), r.randint(1, 9)), "abs(x - {a}) + {b}"),
-    ("parity", lambda r: (r.randint(2, 9), r.randint(1, 9)), "x // 2 + {a} if x % 2 == 0 else x + {b}"),
+_SHAPES = [  # (name, parameters a and b, body): 4 x ~300 distinct tasks
+    ("linear", lambda r: (r.randint(2, 12), r.randint(1, 30)), "{a} * x + {b}"),
+    ("quadratic", lambda r: (r.randint(1, 9), r.randint(1, 30)), "{a} * x * x + {b}"),
+    ("absolute", lambda r: (r.randint(1, 11), r.randint(1, 30)), "abs(x - {a}) + {b}"),
+    ("parity", lambda r: (r.randint(2, 12), r.randint(1, 30)), "x // 2 + {a} if x % 2 == 0 else x + {b}"),
 ]
 
 
@@ -71,11 +71,15 @@ def trajectory(t: dict) -> list[dict]:
 def write(folder: str, tasks: int = 400, held_out: int = 40, seed: int = 0) -> dict:
     rng = random.Random(seed)
     seen, rows = set(), []
-    while len(rows) < tasks + held_out:
+    for _ in range(20 * (tasks + held_out)):
+        if len(rows) == tasks + held_out:
+            break
         t = task(rng)
         if t["text"] not in seen:  # held-out tasks never share a prompt with training ones
             seen.add(t["text"])
             rows.append(t)
+    if len(rows) < tasks + held_out:
+        raise ValueError(f"only {len(rows)} distinct tasks exist, fewer than --tasks {tasks} + --held-out {held_out}")
     os.makedirs(folder, exist_ok=True)
     paths = {name: os.path.join(folder, f"{name}.jsonl") for name in ("train", "eval", "sft")}
     mbpp = [{k: t[k] for k in ("text", "code", "test_list")} for t in rows]
