@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from real_model import machine  # noqa: E402
+from machine import machine  # noqa: E402
 
 OUT = os.path.join(HERE, "results", "coding_agent.json")
 

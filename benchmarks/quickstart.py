@@ -23,7 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from real_model import machine, save  # noqa: E402
+from machine import machine  # noqa: E402
+from real_model import save  # noqa: E402
 
 OUT = os.path.join(HERE, "results", "quickstart.json")
 WORK = os.path.join(ROOT, "runs", "bench-quickstart")

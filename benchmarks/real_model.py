@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -34,6 +33,7 @@ sys.path.insert(0, HERE)
 
 from algorithms import BenchError, _locked, _megarl  # noqa: E402
 from genrm import eval_curve  # noqa: E402
+from machine import machine  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "smollm2_reasoning_gym.yaml")
 OUT = os.path.join(HERE, "results", "real_model.json")
@@ -51,12 +51,6 @@ CANDIDATES = [
     ("letter_counting", {}),
 ]
 BAND = (5.0, 60.0)  # the base model's pass@1 (%) a task must have to be chosen
-
-
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
 
 
 def load(path: str) -> dict:

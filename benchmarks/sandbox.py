@@ -15,15 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from megarl.rewards.code import CodeRewardFailure, code_reward
-from megarl.sandbox import describe, run_python
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from machine import machine as describe_machine  # noqa: E402
+from megarl.rewards.code import CodeRewardFailure, code_reward  # noqa: E402
+from megarl.sandbox import describe, run_python  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOOD = "```python\ndef add(a, b):\n    return a + b\n```"
@@ -116,14 +118,6 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _machine() -> dict:
-    with open("/proc/cpuinfo") as f:
-        models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    return {"cpu": models[0] if models else platform.processor(), "cores": os.cpu_count(),
-            "python": platform.python_version(), "kernel": platform.release(),
-            "load_average_1min_at_start": round(os.getloadavg()[0], 2)}  # other work on the machine skews the numbers
-
-
 def _pool_rate(problems: list[dict], workers: int) -> float:
     """HumanEval problems (canonical solutions) per second through a RewardPool of `workers` workers."""
     from megarl.rewards import RewardPool
@@ -146,7 +140,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=60)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
-    machine = _machine()
+    machine = describe_machine()
 
     def empty():
         result = run_python("pass")
