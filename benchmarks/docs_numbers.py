@@ -393,9 +393,10 @@ GENERATORS = {"quickstart": _gen_quickstart, "real-model-probe": _gen_real_model
 
 
 def render(name: str, file: str) -> str:
+    """The block's body: a blank line, the generator's markdown, a blank line (so tables render between comments)."""
     if name not in GENERATORS:
         raise DocsError(f"no generator {name!r} (known: {', '.join(GENERATORS)})")
-    return GENERATORS[name](load(file)).rstrip("\n") + "\n"
+    return "\n" + GENERATORS[name](load(file)).strip("\n") + "\n\n"
 
 
 def regenerate(text: str) -> str:

@@ -136,7 +136,7 @@ def test_the_checker_catches_a_changed_number(tmp_path, monkeypatch):
     assert dn.check_number("24.5", "+", dn.evaluate(dn.load("q.json"), "runs[seed=0].b - runs[seed=0].a")) == "+25.2"
     assert dn.check_number("24.5", "+", -24.5) == "-24.5"
     dn.GENERATORS["t"] = lambda d: str(d["runs"][0]["b"])
-    block = "<!-- generated: t from benchmarks/results/q.json by benchmarks/docs_numbers.py -->\n74.25\n" \
+    block = "<!-- generated: t from benchmarks/results/q.json by benchmarks/docs_numbers.py -->\n\n74.25\n\n" \
             "<!-- end generated -->"
     assert dn.regenerate(block) == block.replace("74.25", "75.0")
     del dn.GENERATORS["t"]
