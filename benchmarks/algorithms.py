@@ -44,9 +44,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
 
 from megarl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES  # noqa: E402
 from megarl.algorithms.token_selection import TOKEN_SELECTIONS  # noqa: E402
+from machine import machine  # noqa: E402  (benchmarks/machine.py: the machine, for the JSON)
 
 CONFIG = os.path.join(ROOT, "configs", "quickstart.yaml")
 OUT = os.path.join(HERE, "results", "algorithms.json")
@@ -181,6 +183,7 @@ def append_run(path: str, run: dict, settings: dict) -> dict:
         results = load_results(path)
         check_settings(results, settings, path)
         results["settings"] = settings
+        results["machine"] = machine()  # the machine of the latest run appended
         results["runs"] = [r for r in results["runs"] if (r["algorithm"], int(r["seed"])) !=
                            (run["algorithm"], int(run["seed"]))] + [run]
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".algorithms-", suffix=".json")

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         from real_model import save  # imports torch; not needed for --table
         run = run_seed(seed, args.work)
         save(args.out, lambda r: r.update(runs=[x for x in r.get("runs", []) if x["seed"] != seed] + [run],
-                                          target_gain=TARGET))
+                                          target_gain=TARGET, machine=machine()))
         gain = run["pass_at_1_after"] - run["pass_at_1_before"]
         print(f"[quickstart] seed {seed}: {run['pass_at_1_before']:.1f}% -> {run['pass_at_1_after']:.1f}% "
               f"({gain:+.1f}) in {run['wall_s']:.0f} s", flush=True)
