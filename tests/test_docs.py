@@ -56,8 +56,8 @@ ALLOWED = {
 NOT_YET = {"gpu_check.json": "benchmarks/gpu_check.py is prepared and not run: no GPU lent so far"}
 UNIT = r"(?:%|[x×](?![\w-])|\s(?:s|ms|GB/s|GB|MB|points?|minutes|hours)\b)"
 RESULT_NUMBER = re.compile(r"(?<![\w.\-/])(?:[+]\d+(?:\.\d+)?|\d[\d,]*(?:\.\d+)?(?=" + UNIT + r"))")
-MASK = re.compile(r"```.*?```|<!-- generated: .*?<!-- end generated -->|<!-- algorithms-table:start -->.*?"
-                  r"<!-- algorithms-table:end -->|<!--.*?-->|`[^`\n]*`|\]\([^)]*\)", re.S)
+MASK = re.compile(r"^[ \t]*```.*?^[ \t]*```|<!-- generated: .*?<!-- end generated -->|<!-- algorithms-table:start -->.*?"
+                  r"<!-- algorithms-table:end -->|<!--.*?-->|`[^`\n]*`|\]\([^)]*\)", re.S | re.M)
 
 
 def _text(path):
