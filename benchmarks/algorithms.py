@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/algorithms.py                       # the whole sweep, resumable (hours on 2 cores)
     .venv/bin/python benchmarks/algorithms.py --algorithms grpo,maxrl --seeds 0 --steps 100
-    .venv/bin/python benchmarks/algorithms.py --table --readme      # only print the table, plot, fill README.md
+    .venv/bin/python benchmarks/algorithms.py --table --docs        # only print the table, plot, fill docs/algorithms.md
     .venv/bin/python benchmarks/algorithms.py --list                # the algorithms and the config each name maps to
 
 The algorithms come from the registries, not from a list kept here: one run per advantage estimator
@@ -44,13 +44,15 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
 
 from megarl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES  # noqa: E402
 from megarl.algorithms.token_selection import TOKEN_SELECTIONS  # noqa: E402
+from machine import machine  # noqa: E402  (benchmarks/machine.py: the machine, for the JSON)
 
 CONFIG = os.path.join(ROOT, "configs", "quickstart.yaml")
 OUT = os.path.join(HERE, "results", "algorithms.json")
-README = os.path.join(ROOT, "README.md")
+DOC = os.path.join(ROOT, "docs", "algorithms.md")  # the page whose algorithms-table block --docs fills
 WORK = os.path.join(ROOT, "runs", "bench-algorithms")
 BASELINE = {"algorithm.advantage_estimator": "grpo", "algorithm.policy_loss": "ppo_clip"}
 # The same for every run, on top of configs/quickstart.yaml. rl.mini_batches=2: with one optimizer step per batch
@@ -181,6 +183,7 @@ def append_run(path: str, run: dict, settings: dict) -> dict:
         results = load_results(path)
         check_settings(results, settings, path)
         results["settings"] = settings
+        results["machine"] = machine()  # the machine of the latest run appended
         results["runs"] = [r for r in results["runs"] if (r["algorithm"], int(r["seed"])) !=
                            (run["algorithm"], int(run["seed"]))] + [run]
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".algorithms-", suffix=".json")
@@ -259,10 +262,10 @@ MARK_START, MARK_END = "<!-- algorithms-table:start -->", "<!-- algorithms-table
 
 
 def fill_readme(text: str, table: str) -> str:
-    """README text with the block between the algorithms-table markers replaced by `table`."""
+    """The page's text (docs/algorithms.md) with the block between the algorithms-table markers replaced by `table`."""
     start, end = text.find(MARK_START), text.find(MARK_END)
     if start < 0 or end < start:
-        raise BenchError(f"--readme: the README has no {MARK_START} ... {MARK_END} block. Fix: add the two markers "
+        raise BenchError(f"--docs: the page has no {MARK_START} ... {MARK_END} block. Fix: add the two markers "
                          "where the table goes.")
     return text[:start + len(MARK_START)] + "\n" + table + "\n" + text[end:]
 
@@ -422,7 +425,8 @@ def main(argv=None) -> int:
     p.add_argument("--work", default=WORK, help="folder of the SFT and RL run folders (default runs/bench-algorithms)")
     p.add_argument("--plot", default=None, help="the PNG (default: next to --out, <out>.png)")
     p.add_argument("--table", action="store_true", help="run nothing: print the table (and plot) from the JSON")
-    p.add_argument("--readme", action="store_true", help="also write the table into README.md's algorithms block")
+    p.add_argument("--docs", "--readme", dest="docs", action="store_true",
+                   help="also write the table into docs/algorithms.md's algorithms block (--readme: the old name)")
     p.add_argument("--list", action="store_true", help="print each algorithm and the config it maps to, and exit")
     args = p.parse_args(argv)
     try:
@@ -461,12 +465,12 @@ def main(argv=None) -> int:
         png = plot(results, names, args.plot or os.path.splitext(out)[0] + ".png")
         if png:
             print(f"[algorithms] plot {png}")
-        if args.readme:
-            with open(README) as f:
+        if args.docs:
+            with open(DOC) as f:
                 text = f.read()
-            with open(README, "w") as f:
+            with open(DOC, "w") as f:
                 f.write(fill_readme(text, table))
-            print(f"[algorithms] table written into {README}")
+            print(f"[algorithms] table written into {DOC}")
         if failed:
             print(f"[algorithms] {len(failed)} runs failed (not recorded; run again to retry): {', '.join(failed)}",
                   file=sys.stderr)

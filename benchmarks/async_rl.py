@@ -26,6 +26,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+from machine import machine  # noqa: E402  (benchmarks/machine.py: the machine, for the JSON)
 from algorithms import BenchError, ensure_sft  # noqa: E402  (the shared SFT start, one per seed)
 
 CONFIG = os.path.join(ROOT, "configs", "quickstart.yaml")
@@ -199,6 +200,7 @@ def main(argv=None) -> int:
                        and r["mismatch"] == mismatch for r in results["runs"]):
                     continue
                 results["runs"].append(run_one(k, partial, seed, args.steps, args.work, ckpt, cpus, mismatch))
+                results["machine"] = machine()
                 os.makedirs(os.path.dirname(args.out), exist_ok=True)
                 with open(args.out + ".tmp", "w") as f:
                     json.dump(results, f, indent=1)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform as py_platform
 import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from machine import machine  # noqa: E402  (benchmarks/machine.py: the machine, for the JSON)
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -98,7 +99,7 @@ def main():
     for label, seconds, note in rows:
         print(f"{label.ljust(width)}  {seconds:7.3f}  {note}")
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    result = {"machine": {"cpus": os.cpu_count(), "python": py_platform.python_version(), "torch": torch.__version__},
+    result = {"machine": {**machine(), "torch": torch.__version__},
               "fork_runner_s": fork, "torchrun_s": tr, "torchrun_over_fork": tr / fork, "bridge": bridge}
     with open(os.path.join(HERE, "results", "foundation.json"), "w") as f:
         json.dump(result, f, indent=1)

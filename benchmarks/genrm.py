@@ -55,6 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
+from machine import machine  # noqa: E402  (benchmarks/machine.py: the machine, for the JSON)
 
 from algorithms import BenchError, _megarl, _quickstart_steps, ensure_sft  # noqa: E402
 
@@ -440,6 +441,7 @@ def main(argv=None) -> int:
                 results[name].update(false_pass_first=false_pass[0], false_pass_last=false_pass[-1],
                                      false_pass_mean=statistics.fmean(false_pass))
         os.makedirs(os.path.dirname(out), exist_ok=True)
+        results["machine"] = machine()
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
         print(report(results))

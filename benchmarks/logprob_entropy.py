@@ -32,6 +32,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from machine import machine  # noqa: E402  (benchmarks/machine.py: the machine, for the JSON)
 
 
 def _rss_kb() -> int:
@@ -186,7 +188,7 @@ def main():
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     cases = sorted(kept + cases, key=lambda c: (list(COMPARISONS).index(c["impl"]), c["tp"]))
     with open(path, "w") as f:
-        json.dump({"cases": cases, "note": "ratios are megarl or fused (per rank) / its naive counterpart on the full "
+        json.dump({"cases": cases, "machine": machine(), "note": "ratios are megarl or fused (per rank) / its naive counterpart on the full "
                    "vocabulary on one rank: naive (log_softmax + gather + entropy on given logits) for impl megarl, "
                    "naive-matmul (the LM-head matmul hidden @ weight.T, then the same) for impl fused, topk-loop "
                    "(the fused path once per target column, 1 + top_k passes) for impl topk. The weight's gradient "

@@ -72,6 +72,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Callable, NamedTuple, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from machine import machine  # noqa: E402  (benchmarks/machine.py: the machine, for the JSON)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -625,6 +627,7 @@ def write_results(key: str, rows: list[dict], path: str = RESULTS) -> None:
         with open(path) as f:
             data = json.load(f)
     data[key] = rows
+    data["machine"] = machine()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump({k: data[k] for k in sorted(data)}, f, indent=1)

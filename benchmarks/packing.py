@@ -27,6 +27,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from machine import machine  # noqa: E402  (benchmarks/machine.py: the machine, for the JSON)
 sys.path.insert(0, os.path.dirname(HERE))
 
 BUDGET = 8192
@@ -185,7 +187,7 @@ def main(argv=None) -> int:
                   f"{r['log_probs_max_abs_diff']:.1e}, grad rel diff {r['grad_rel_diff']:.1e}", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"cases": results, "budget_tokens_per_microbatch": BUDGET, "threads": 1,
+        json.dump({"cases": results, "machine": machine(), "budget_tokens_per_microbatch": BUDGET, "threads": 1,
                    "note": "one rank; CPU: fp32, local attention with a dense block-causal mask over each packed "
                            "row; GPU: bf16, TransformerEngine THD. Best of the alternating repeats; ratios packed / "
                            "padded"}, f, indent=1)

@@ -19,6 +19,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from machine import machine  # noqa: E402  (benchmarks/machine.py: the machine, for the JSON)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -141,7 +143,7 @@ def main():
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     out = os.path.join(HERE, "results", "reshard.json")
     with open(out, "w") as f:
-        json.dump({"memcpy_gbps": bound, "cases": cases}, f, indent=1)
+        json.dump({"memcpy_gbps": bound, "cases": cases, "machine": machine()}, f, indent=1)
     print(f"wrote {out}")
 
 

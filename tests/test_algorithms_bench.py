@@ -1,7 +1,7 @@
 """benchmarks/algorithms.py without an engine: the algorithms come from the registries (a newly registered loss
 appears, every registered name is a run, an alias or excluded with a reason, every run's config selects its name and
 passes the trainer's validation), the results file is appended atomically and resumed (pending pairs, replacement,
-settings that differ are refused), and the table's mean / spread and the README block are computed from a hand-made
+settings that differ are refused), and the table's mean / spread and the docs/algorithms.md block are computed from a hand-made
 JSON with hand-worked numbers."""
 import importlib.util
 import json
@@ -155,8 +155,8 @@ def test_table_and_readme_block_from_a_hand_made_json(bench, tmp_path):
     assert bench.fill_readme(filled, table) == filled  # idempotent
     with pytest.raises(bench.BenchError, match="no <!-- algorithms-table:start -->"):
         bench.fill_readme("# no markers\n", table)
-    with open(os.path.join(ROOT, "README.md")) as f:
-        bench.fill_readme(f.read(), table)  # the repository's README has the block
+    with open(os.path.join(ROOT, "docs", "algorithms.md")) as f:
+        bench.fill_readme(f.read(), table)  # the page the table lives on has the block
 
 
 def test_table_mode_prints_and_plots_without_running_anything(bench, tmp_path, capsys):

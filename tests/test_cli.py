@@ -1,4 +1,4 @@
-"""The README's main job (the model-bridge smoke run) end to end, on 2 ranks."""
+"""The model-bridge smoke run (`megarl smoke`, docs/models.md) end to end, on 2 ranks."""
 import json
 
 from megarl import cli
