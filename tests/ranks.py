@@ -400,3 +400,19 @@ def routing_with_engine(path, url, layout, seed):
         result[name] = {"agreement": float(agreement[0] / agreement[1]),
                         "logprob_max_diff": next(x for x in found if x is not None)}
     return result
+
+
+def step_metrics(layout: dict, old, rollout, mask, entropy) -> dict:
+    """megarl.trainer.metrics on a [b, s] batch split over DP x CP by rows, held as the trainer holds it: the last
+    pipeline stage has the log-probs (every TP rank a copy), the other stages zeros (a wrong reduction shows)."""
+    from megarl.trainer import metrics
+
+    parallel.initialize(parallel.ParallelConfig(**layout), None)
+    pg = parallel.groups().mcore
+    share = slice(pg.dp_cp.rank(), None, pg.dp_cp.size())
+    last = pg.pp.rank() == pg.pp.size() - 1
+    held = old[share] if last else torch.zeros_like(old[share])
+    out = metrics.logprob_mismatch(held, rollout[share], mask[share], pg)
+    out.update(metrics.entropy_dynamics(entropy[share], mask[share], pg))
+    out.update(metrics.forgetting_kl(held if last else None, rollout[share], mask[share], pg))
+    return out

@@ -167,13 +167,13 @@ def _hf_top_k(model, prompt, response, k):
 
 def _opd_rank(samples, n, student_path, weight, top_k):
     """One DP rank of a DP=2 step: rank 0 (the rollout worker) dispatches the samples; each rank computes its rows'
-    student (old) log-probs with transformers and runs the trainer's advantage step (RLTrainer._advantages)."""
+    student (old) log-probs with transformers and runs the trainer's advantage phase (megarl.trainer.step)."""
     from transformers import AutoModelForCausalLM
 
     from megarl import parallel
     from megarl.trainer.batching import BatchPlan, RankBatch
     from megarl.trainer.dispatch import dispatch
-    from megarl.trainer.rl import RLTrainer
+    from megarl.trainer.step import advantages as advantages_phase
 
     parallel.initialize(parallel.ParallelConfig())
     groups = parallel.groups()
@@ -189,8 +189,7 @@ def _opd_rank(samples, n, student_path, weight, top_k):
     rb.batch.old_log_probs = logp.gather(-1, rb.batch.targets[..., None])[..., 0] * rb.batch.loss_mask
     cfg = _cfg("algorithm.advantage_estimator=opd", "teacher.urls=[http://unused:1]", f"rollout.n_samples={n}",
                f"algorithm.opd_reward_weight={weight}", f"algorithm.opd_top_k={top_k}")
-    trainer = types.SimpleNamespace(cfg=cfg, pg=types.SimpleNamespace(dp=groups.mcore.dp))
-    advantages, _ = RLTrainer._advantages(trainer, rb)
+    advantages, _ = advantages_phase(rb, cfg.algorithm, groups.mcore.dp)
     return {"sample_index": rb.sample_index, "prompt_lens": rb.samples.prompt_lens.tolist(),
             "advantages": advantages, "dp_rank": groups.dp_rank, "top_ids": rb.batch.teacher_top_ids}
 

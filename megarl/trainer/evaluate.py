@@ -15,14 +15,13 @@ import math
 import os
 
 import torch
-import torch.distributed as dist
 
 from ..data import load_responses
 from ..errors import on_rank0
 from ..evaluation import plot_pass_at_k
 from ..losses import compute_log_probs
-from ..losses.step import holds_results
 from .batching import Sample, rank_batch
+from .metrics import over_last_stage
 from .rl import RLTrainer
 from .setup import prompt_tools
 
@@ -39,9 +38,9 @@ def response_stats(trainer: RLTrainer, pairs: list[tuple[list[int], list[int]]])
     per_token = compute_log_probs(trainer.policy.model, rb.batch, rb.num_microbatches, trainer.bridge.vocab_size,
                                   entropy=True, fused=trainer.cfg.algorithm.fused_logprobs,
                                   pack=trainer.cfg.algorithm.pack_sequences, pg=trainer.pg)
-    if holds_results(trainer.pg):
+    if per_token is not None:  # the last pipeline stage
         sums += torch.stack([per_token[0].sum(), per_token[1].sum(), rb.batch.loss_mask.sum()]).double()
-    dist.all_reduce(sums)
+    over_last_stage(sums, trainer.pg)
     stats = {"responses": len(pairs), "tokens": int(sums[2]), "trainer_ppl": math.exp(-sums[0] / sums[2]),
              "trainer_entropy": float(sums[1] / sums[2])}
 

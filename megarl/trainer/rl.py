@@ -1,8 +1,8 @@
-"""The RL trainer. `RLTrainer.step_once()` is one RL step, top to bottom:
+"""The RL trainer. `RLTrainer.step_once()` is one RL step, its phases in megarl.trainer.step:
 
-    rollout (rank 0 -> SGLang, rewards in parallel) -> this DP rank's token batch -> reference log-probs ->
-    old log-probs -> advantages -> ppo_epochs x mini-batches through Megatron's pipeline schedule -> reshard the new
-    weights into the engine -> metrics
+    rollout (the rollout workers -> SGLang, rewards in parallel) -> this DP rank's rows as tensors -> reference and
+    old log-probs -> advantages -> ppo_epochs x mini-batches through Megatron's pipeline schedule -> the new weights
+    into the engines (verified) -> metrics (megarl.trainer.metrics)
 
 Everything else here is set-up (model, engines, data, resume) and bookkeeping (checkpoints, evaluation, summary).
 Run it under torchrun: `megarl train CONFIG [key=value ...]`.
@@ -19,25 +19,22 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel, platform
-from ..algorithms import compute_advantages, entropy_split, kl_estimate, loss_phases
 from ..algorithms.advantages import RETURNS_TEACHER_LOG_RATIO
-from ..algorithms.dynamics import UpdateSparsity, kl_sums
 from ..config import ConfigError, to_dict
 from ..errors import about, on_rank0, on_ranks
 from ..data import PROCEDURAL, ChatTokenizer, load_prompts
-from ..losses import TokenBatch, compute_log_probs, compute_values, prepare_global_batch, train_step
+from ..losses import TokenBatch, compute_log_probs
 from ..losses.rl import place_response_values, shift_sequences
-from ..losses.step import holds_results, schedule_layouts
-from ..models.moe import RoutingStats, load_balance_metrics
+from ..models.moe import RoutingStats
 from ..reshard import TRANSPORTS, SyncConfig, TransportOptions, WeightSync
 from ..rewards import RewardPool
 from ..rollout import EngineClient, EngineRouter, SGLangServer
 from ..rollout.pools import EnginePools, pool_server_config
 from ..rollout.server import engine_server_config
 from ..rollout.teacher import Teacher, check_same_tokenizer
-from .async_rollout import RolloutBatch, RolloutProducer, lag_stats, sample_version_stats, version_name
+from . import metrics, step as phases
+from .async_rollout import RolloutBatch, RolloutProducer, sample_version_stats, version_name
 from .batching import BatchPlan, PackedRollout, RankBatch
-from .dispatch import dispatch
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .logging import MetricsLog, PhaseTimer
 from .preemption import StopRequest
@@ -46,11 +43,6 @@ from .setup import (build_critic, build_policy, build_reference, init_parallel, 
                     prepare_model_folder, prompt_tools, resolve_load)
 
 logger = logging.getLogger("megarl")
-
-
-def _on_every_stage(per_token: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """Forward-only results exist on the last pipeline stage; the other stages, which compute no loss, get zeros."""
-    return per_token if per_token is not None else torch.zeros_like(like)
 
 
 def _listed(values):
@@ -249,108 +241,75 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------------------- the RL step
     def step_once(self, step: int) -> dict:
-        cfg, timer = self.cfg, PhaseTimer()
-        start = time.perf_counter()
-
-        # 1. Rollout: the rollout workers (rollout.workers) ask the engines for n samples per prompt of their share
-        #    and score them, pack them as tensors and agree on the plan (whole groups per DP rank, balanced tokens,
-        #    micro-batches by token budget).
-        #    With rl.max_staleness > 0 the producer thread collected it while earlier steps trained.
-        with timer("rollout"):
+        """One RL step as the papers write it: each phase a function of megarl.trainer.step, each metric a reduction
+        of megarl.trainer.metrics over the group that holds its values."""
+        cfg, algo, pg, timer, start = self.cfg, self.cfg.algorithm, self.pg, PhaseTimer(), time.perf_counter()
+        with timer("rollout"):  # 1. engines sample, rewards score (the rollout workers; under rl.max_staleness the
+            #                        producer thread did it while earlier steps trained)
             self._batch = on_ranks(lambda: self.producer.take(step) if self.producer else self._collect(step),
                                    here=self.rank in self.worker_ranks)
-        stats = dict(self._batch.stats) if self._batch is not None else {}
         self._engines("release_memory")  # colocated GPUs: the engine's memory goes to training (no-op on CPU)
-
-        # 2. This DP rank's rows, and only those, arrive as tensors (megarl.trainer.dispatch).
-        with timer("dispatch"):
-            held = self._batch or RolloutBatch(step, [], None, None, {}, {}, {})
-            got = dispatch(held.packed, held.plan, self.groups, sources=tuple(self.worker_ranks))
-            rb = RankBatch(got.share.token_batch(got.rows, got.seq_len, self.tok.pad_id, self._routing_shape()),
-                           got.share, got.num_microbatches)
-        batch = rb.batch
-        engine_routing = batch.routed_experts  # MoE: the experts the engine used; replayed only with R3
-        if not cfg.rollout.routing_replay:
-            batch.routed_experts = None
+        with timer("dispatch"):  # 2. this DP rank's rows, and only those, as tensors
+            rb, received = phases.dispatch_rank_batch(self._batch, step, self.groups, self.worker_ranks,
+                                                      self.tok.pad_id, self._routing_shape())
+        batch, engine_routing = rb.batch, rb.batch.routed_experts  # MoE: the engine's experts, replayed only with R3
+        batch.routed_experts = engine_routing if cfg.rollout.routing_replay else None
         if cfg.rl.dump_rollouts:
             self._dump(step, rb)
-
-        # 3. Reference and old-policy log-probs of the engine's tokens.
-        with timer("ref"):
+        with timer("ref"):  # 3. reference and old-policy log-probs of the engine's tokens
             batch.ref_log_probs = self._ref_log_probs(rb) if self.ref is not None else None
         with timer("old_log_prob"):
-            routing = RoutingStats(self.policy.chunks) \
-                if engine_routing is not None and cfg.rollout.old_log_probs == "recompute" else None
-            batch.old_log_probs, old_entropy = self._log_probs(self.policy.model, rb, entropy=True) \
-                if cfg.rollout.old_log_probs == "recompute" else (batch.rollout_log_probs, None)
-        mismatch = self._mismatch(batch) if cfg.rollout.old_log_probs == "recompute" else {}
-        if old_entropy is not None:
-            mismatch.update(self._entropy_dynamics(old_entropy, batch.loss_mask))
-        if routing is not None:
-            mismatch.update(self._routing_metrics(routing, engine_routing, rb))
-        if cfg.rl.max_staleness:
-            mismatch.update(self._staleness_metrics(rb, step))
-
-        # 4. Advantages (groups are whole on this rank; batch-level statistics reduce over DP); with a critic, its
-        #    values at rollout time and GAE returns.
+            signals, old_entropy = self._old_log_probs(rb, engine_routing, step)
         if self.critic is not None:
             with timer("values"):
-                batch.old_values = _on_every_stage(compute_values(self.critic.model, batch, rb.num_microbatches,
-                                                                  pack=cfg.algorithm.pack_sequences, pg=self.pg),
-                                                   batch.loss_mask)
-        with timer("advantages"):
-            batch.advantages, batch.returns = self._advantages(rb)
-        if cfg.algorithm.advantage_estimator in RETURNS_TEACHER_LOG_RATIO:  # returns: teacher - student log-prob
-            sums = torch.stack([-(batch.returns * batch.loss_mask).sum(), batch.loss_mask.sum()]).double()
-            dist.all_reduce(sums, group=self.pg.dp)
-            mismatch["opd/reverse_kl"] = float(sums[0] / sums[1].clamp(min=1))  # sampled KL(student || teacher)
+                batch.old_values = phases.critic_values(self.critic.model, rb, algo, pg)
+        with timer("advantages"):  # 4. advantages (and returns)
+            batch.advantages, batch.returns = phases.advantages(rb, algo, pg.dp)
+        if algo.advantage_estimator in RETURNS_TEACHER_LOG_RATIO:  # opd: returns = teacher - student log-prob
+            signals.update(metrics.opd_reverse_kl(batch.returns, batch.loss_mask, pg))
+        with timer("train"):  # 5. rl.ppo_epochs x rl.mini_batches optimizer steps through Megatron's schedule
+            trained = phases.update(self.policy, self.critic, rb, algo, cfg.rl, self.bridge.vocab_size, pg,
+                                    seed=cfg.seed * 1_000_003 + step, old_entropy=old_entropy)
+        with timer("reshard"):  # 6. the engines get the new weights (verified first and every reshard.verify_every)
+            synced = self.sync_weights(step)
+        return self._step_metrics(trained, signals, timer, synced, received, start)
 
-        # 5. PPO epochs x mini-batches, each one optimizer step through Megatron's schedule.
-        train = []
-        tracker = UpdateSparsity(self.policy.chunks, self.pg, self.bridge.vocab_size).snapshot() \
-            if cfg.rl.log_update_sparsity else None  # RL dynamics: parameters the step's updates change
-        with timer("train"):
-            rows = batch.input_ids.shape[0] // cfg.rl.mini_batches
-            for epoch in range(cfg.rl.ppo_epochs):
-                for k in range(cfg.rl.mini_batches):
-                    part, num_mb = slice(k * rows, (k + 1) * rows), max(1, rb.num_microbatches // cfg.rl.mini_batches)
-                    # One optimizer step per phase (megarl.algorithms.token_selection: Lopti's two, else one), each
-                    # normalised by its own global token count; the phases share the mini-batch's learning rate.
-                    phases = loss_phases(batch.rows(part), cfg.algorithm, group=self.pg.dp,
-                                         entropy=old_entropy[part] if old_entropy is not None else None,
-                                         seed=((cfg.seed * 1_000_003 + step) * 1009 + epoch) * 101 + k)
-                    for phase in phases:
-                        train.append(train_step(self.policy.model, self.policy.optimizer, self._prepare(phase), num_mb,
-                                                cfg.algorithm, self.bridge.vocab_size, pg=self.pg))
-                    self.policy.scheduler.step(1)
-                    if self.critic is not None:
-                        critic = train_step(self.critic.model, self.critic.optimizer, self._prepare(batch.rows(part)),
-                                            num_mb, cfg.algorithm, self.bridge.vocab_size, objective="value",
-                                            pg=self.pg)
-                        self.critic.scheduler.step(1)
-                        for metrics in train[-len(phases):]:
-                            metrics.update({f"critic/{k}": v for k, v in critic.items()})
+    def _old_log_probs(self, rb: RankBatch, engine_routing, step: int) -> tuple[dict, torch.Tensor | None]:
+        """Sets the old policy's log-probs (the trainer's recompute, or the engine's: rollout.old_log_probs); returns
+        what is measured on them before any update (trainer-engine mismatch, entropy dynamics, MoE routing,
+        staleness) and the old entropies (recompute only)."""
+        cfg, batch, pg = self.cfg, rb.batch, self.pg
+        signals, entropy = {}, None
+        if cfg.rollout.old_log_probs == "recompute":
+            routing = RoutingStats(self.policy.chunks) if engine_routing is not None else None
+            batch.old_log_probs, entropy = phases.log_probs(self.policy.model, rb, cfg.algorithm,
+                                                            self.bridge.vocab_size, pg, entropy=True)
+            signals.update(metrics.logprob_mismatch(batch.old_log_probs, batch.rollout_log_probs, batch.loss_mask, pg))
+            signals.update(metrics.entropy_dynamics(entropy, batch.loss_mask, pg))
+            if routing is not None:
+                signals.update(metrics.routing(routing, engine_routing, rb, self.policy.model,
+                                               cfg.algorithm.pack_sequences, self.bridge.config.num_layers,
+                                               self.bridge.config.num_moe_experts))
+        else:
+            batch.old_log_probs = batch.rollout_log_probs
+        if cfg.rl.max_staleness:
+            signals.update(metrics.staleness(rb, step, cfg.rl.max_staleness, pg))
+        return signals, entropy
 
-        # 6. Reshard: the engines get the new weights (verified on the first sync and every reshard.verify_every).
-        with timer("reshard"):
-            sync_stats = self.sync_weights(step)
-
-        metrics = {k: sum(t[k] for t in train) / len(train) for k in train[0]}
-        if tracker is not None:
-            changed, total = tracker.changed()
-            metrics["dynamics/update_changed_frac"] = changed / max(total, 1.0)
-        metrics.update(**stats, **mismatch, **timer.take())
-        metrics.update({f"reshard/{k}": v for k, v in sync_stats.items() if isinstance(v, (int, float))})
+    def _step_metrics(self, trained: dict, signals: dict, timer: PhaseTimer, synced: dict, received: int,
+                      start: float) -> dict:
+        out = {**trained, **(self._batch.stats if self._batch is not None else {}), **signals, **timer.take()}
+        out.update({f"reshard/{k}": v for k, v in synced.items() if isinstance(v, (int, float))})
         elapsed = time.perf_counter() - start
-        metrics.update({"time/step_s": elapsed, "time/step_start": start - self.started,
-                        "dispatch/bytes_received": got.bytes_received})
+        out.update({"time/step_s": elapsed, "time/step_start": start - self.started,
+                    "dispatch/bytes_received": received})
         if self.rank in self.worker_ranks:
-            metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / elapsed
+            out["perf/tokens_per_s"] = out["rollout/tokens"] / elapsed
             if self.producer is not None:  # the share of the step's wall time the engines spent generating
                 busy = self.producer.busy_s()
-                metrics["async/rollout_busy_frac"] = min(1.0, (busy - self._busy_before) / elapsed)
+                out["async/rollout_busy_frac"] = min(1.0, (busy - self._busy_before) / elapsed)
                 self._busy_before = busy
-        return metrics
+        return out
 
     def _routing_shape(self) -> tuple[int, int] | None:
         return self.routing_shape if self.cfg.rollout.engine_routing else None
@@ -415,110 +374,9 @@ class RLTrainer:
     def _ref_log_probs(self, rb: RankBatch) -> torch.Tensor:
         self._place_ref("cuda")
         try:
-            return self._log_probs(self.ref, rb)
+            return phases.log_probs(self.ref, rb, self.cfg.algorithm, self.bridge.vocab_size, self.pg)
         finally:
             self._place_ref("cpu")
-
-    def _log_probs(self, model: list, rb: RankBatch, entropy: bool = False):
-        """Log-probs [b, s] on every stage (zeros off the last); entropy=True: (log-probs, entropies)."""
-        out = compute_log_probs(model, rb.batch, rb.num_microbatches, self.bridge.vocab_size,
-                                temperature=self.cfg.algorithm.temperature, entropy=entropy,
-                                fused=self.cfg.algorithm.fused_logprobs, pack=self.cfg.algorithm.pack_sequences,
-                                pg=self.pg)
-        if not entropy:
-            return _on_every_stage(out, rb.batch.loss_mask)
-        return tuple(self._from_last_stage(x, rb.batch.loss_mask) for x in (out if out is not None else (None, None)))
-
-    def _from_last_stage(self, values: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-        """The last pipeline stage's per-token values on every stage: token selections (loss_phases) must agree on
-        all ranks of a DP replica."""
-        pp = self.pg.pp
-        out = values.contiguous() if values is not None else torch.zeros_like(like)
-        if dist.get_world_size(pp) > 1:
-            dist.broadcast(out, src=dist.get_global_rank(pp, dist.get_world_size(pp) - 1), group=pp)
-        return out
-
-    def _prepare(self, batch):
-        cfg = self.cfg.algorithm
-        return prepare_global_batch(batch, cfg.aggregation, cfg.norm_length, self.pg.dp, seq_multiple=self.pg.tp.size())
-
-    def _entropy_dynamics(self, entropy: torch.Tensor, mask: torch.Tensor) -> dict:
-        """RL dynamics: the old policy's mean entropy over the top 20% highest-entropy response tokens of the global
-        batch and over the other 80% (threshold over all DP ranks; summed over the ranks that hold results)."""
-        sums = entropy_split(entropy, mask, 0.2, self.pg.dp) * holds_results(self.pg)
-        dist.all_reduce(sums)
-        return {"dynamics/entropy_top20": float(sums[0] / sums[1].clamp(min=1)),
-                "dynamics/entropy_rest80": float(sums[2] / sums[3].clamp(min=1))}
-
-    def _mismatch(self, batch) -> dict:
-        """Trainer vs engine on the same tokens before any update: |old log-prob - rollout log-prob| over the global
-        batch (only the last pipeline stage's TP-rank-0 ranks hold log-probs; the others add zeros)."""
-        holder = holds_results(self.pg)
-        diff = (batch.old_log_probs - batch.rollout_log_probs).abs() * batch.loss_mask
-        sums = torch.stack([diff.sum(), batch.loss_mask.sum()]).double() * holder
-        peak = diff.max().double().reshape(1) * holder if diff.numel() else torch.zeros(1, dtype=torch.float64)
-        dist.all_reduce(sums)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return {"mismatch/logprob_abs_diff": float(sums[0] / sums[1].clamp(min=1)),
-                "mismatch/logprob_abs_diff_max": float(peak[0])}
-
-    def _staleness_metrics(self, rb: RankBatch, step: int) -> dict:
-        """Asynchronous RL: trained tokens per lag (steps between the weights that sampled a token and the policy the
-        step updates), and the trainer-engine log-prob mismatch per lag (over the global batch)."""
-        k, batch = self.cfg.rl.max_staleness, rb.batch
-        versions = rb.samples.per_token(rb.samples.token_versions.float(), *batch.loss_mask.shape)  # 0 off the mask
-        tokens = lag_stats(versions, batch.loss_mask, step, k)
-        diff = (batch.old_log_probs - batch.rollout_log_probs).abs() * batch.loss_mask
-        lag = (step - 1 - versions.long()).clamp(0, k + 1)
-        sums = torch.zeros(2, k + 2, dtype=torch.float64)
-        sums[0] = tokens * holds_results(self.pg)
-        sums[1].index_add_(0, lag.reshape(-1), diff.double().reshape(-1) * holds_results(self.pg))
-        dist.all_reduce(sums)
-        total = sums[0].sum().clamp(min=1)
-        out = {f"async/lag{j}_token_frac": float(sums[0, j] / total) for j in range(k + 1)}
-        out["async/stale_token_frac"] = float(sums[0, k + 1] / total)  # older than allowed: 0 by construction
-        out.update({f"mismatch/logprob_abs_diff_lag{j}": float(sums[1, j] / sums[0, j].clamp(min=1))
-                    for j in range(k + 1)})
-        return out
-
-    def _routing_metrics(self, routing: RoutingStats, engine_routing: torch.Tensor, rb: RankBatch) -> dict:
-        """MoE: how often the routing of the old-log-prob forward (the trainer's own, or the engine's under R3) picked
-        the engine's experts, expert load balance and dropped tokens, all over each sample's positions but its last
-        (whose output is never trained, and which the engine never routed): padding never counts. Summed over all
-        ranks (each pipeline stage holds its own layers)."""
-        routing.close()
-        positions = (torch.arange(rb.batch.input_ids.shape[1]) < rb.samples.seq_lens[:, None] - 1).float()
-        positions = torch.cat([positions, positions.new_zeros(rb.batch.input_ids.shape[0] - len(positions),
-                                                              positions.shape[1])])
-        layouts = schedule_layouts(self.policy.model, rb.batch.split(rb.num_microbatches),
-                                   self.cfg.algorithm.pack_sequences)  # the old-log-prob forward's token order
-        counted = (positions, rb.num_microbatches, layouts)  # the samples' routed tokens, as the engine routed them
-        stats = torch.cat([routing.agreement(engine_routing, *counted), routing.assignments(*counted)])
-        load = routing.load(self.bridge.config.num_layers, self.bridge.config.num_moe_experts, *counted)
-        dist.all_reduce(stats)
-        dist.all_reduce(load)  # each stage fills its own layers' rows
-        return {"moe/routing_agreement": float(stats[0] / stats[1].clamp(min=1)),
-                "moe/dropped_token_frac": float(1 - stats[2] / stats[3].clamp(min=1)), **load_balance_metrics(load)}
-
-    def _advantages(self, rb: RankBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg, batch, real = self.cfg.algorithm, rb.batch, rb.samples.num_samples
-        advantages, returns = torch.zeros_like(batch.loss_mask), torch.zeros_like(batch.loss_mask)
-        scores, groups = rb.samples.score, rb.samples.group
-        kl = None
-        if cfg.kl_in_reward and batch.ref_log_probs is not None:
-            kl = kl_estimate(batch.old_log_probs[:real], batch.ref_log_probs[:real], cfg.kl_estimator)
-        values = batch.old_values[:real] if batch.old_values is not None else None
-        teacher = rb.samples.teacher_log_probs  # opd: A_t = teacher - student, student = the old log-probs
-        teacher = rb.samples.per_token(teacher, *batch.loss_mask.shape)[:real] if teacher is not None else None
-        adv, ret = compute_advantages(cfg.advantage_estimator, scores=scores, group_ids=groups,
-                                      mask=batch.loss_mask[:real], kl=kl, kl_coef=cfg.kl_coef, gamma=cfg.gamma,
-                                      lam=cfg.lam, reward_weights=cfg.reward_weights, values=values,
-                                      std_normalize=cfg.std_normalize, whiten_advantages=cfg.whiten_advantages,
-                                      group=self.pg.dp, baseline=rb.samples.baseline, teacher_log_probs=teacher,
-                                      student_log_probs=batch.old_log_probs[:real],
-                                      opd_reward_weight=cfg.opd_reward_weight, opd_top_k=cfg.opd_top_k)
-        advantages[:real], returns[:real] = adv, ret
-        return advantages, returns
 
     # ------------------------------------------------------------------------------------------ engine side
     def _engines(self, method: str) -> None:
@@ -593,10 +451,7 @@ class RLTrainer:
             initial = compute_log_probs(self.ref, batch, 1, **args)
         finally:
             self._place_ref("cpu")
-        sums = kl_sums(policy, initial, mask) if holds_results(self.pg) else torch.zeros(3, dtype=torch.float64)
-        dist.all_reduce(sums)
-        return {"eval/kl_to_initial": float(sums[0] / sums[2].clamp(min=1)),
-                "eval/kl_to_initial_k1": float(sums[1] / sums[2].clamp(min=1))}
+        return metrics.forgetting_kl(policy, initial, mask, self.pg)
 
     # --------------------------------------------------------------------------------------------- the run
     def train(self) -> dict:
