@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/real_model.py --probe                 # the base model's pass@1 on candidate tasks
     .venv/bin/python benchmarks/real_model.py                         # every (task, seed) run not done yet (resumable)
+    .venv/bin/python benchmarks/real_model.py --jobs 2                # two runs at a time (one core each on 2 cores)
     .venv/bin/python benchmarks/real_model.py --tasks leg_counting --seeds 0 --steps 40
     .venv/bin/python benchmarks/real_model.py --table                 # only print the table and plot from the JSON
 
@@ -25,6 +26,7 @@ import shutil
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -181,6 +183,8 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets cores / jobs threads): a run "
+                   "alternates between the engine generating and the trainer training, so two runs keep 2 cores busier")
     p.add_argument("--table", action="store_true", help="only print the table and write the plot")
     p.add_argument("--out", default=OUT)
     p.add_argument("--work", default=WORK)
@@ -204,17 +208,23 @@ def main(argv=None) -> int:
             unknown = [t for t in tasks if t not in configs]
             if unknown:
                 raise BenchError(f"--tasks {unknown}: not a candidate; choose from {sorted(configs)}")
-            settings = {"steps": args.steps, "eval_every": args.eval_every}
-            for seed in [int(s) for s in args.seeds.split(",")]:
-                for task in tasks:
-                    if any(r["task"] == task and r["seed"] == seed and r["steps"] == args.steps
-                           for r in load(args.out)["runs"]):
-                        continue
-                    run = run_one(task, configs[task], seed, args.steps, args.eval_every, args.work)
-                    save(args.out, lambda r: r.update(settings=settings, machine=machine(), runs=[
-                        x for x in r.get("runs", []) if (x["task"], x["seed"]) != (task, seed)] + [run]))
-                    print(f"[real_model] {task} seed {seed}: {run['pass_at_1_before']:.1f}% -> "
-                          f"{run['pass_at_1_after']:.1f}% in {run['wall_s']:.0f} s", flush=True)
+            settings = {"steps": args.steps, "eval_every": args.eval_every, "jobs": args.jobs}
+            done = {(r["task"], r["seed"]) for r in load(args.out)["runs"] if r["steps"] == args.steps}
+            pending = [(task, int(seed)) for seed in args.seeds.split(",") for task in tasks
+                       if (task, int(seed)) not in done]
+            os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.jobs))
+
+            def one(task: str, seed: int) -> None:
+                run = run_one(task, configs[task], seed, args.steps, args.eval_every, args.work)
+                run["concurrent_runs"] = args.jobs  # its wall time shared the machine with jobs - 1 other runs
+                save(args.out, lambda r: r.update(settings=settings, machine=machine(), runs=[
+                    x for x in r.get("runs", []) if (x["task"], x["seed"]) != (task, seed)] + [run]))
+                print(f"[real_model] {task} seed {seed}: {run['pass_at_1_before']:.1f}% -> "
+                      f"{run['pass_at_1_after']:.1f}% in {run['wall_s']:.0f} s", flush=True)
+
+            with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+                for future in [pool.submit(one, task, seed) for task, seed in pending]:
+                    future.result()
     except BenchError as e:
         print(f"real_model.py: error: {e}", file=sys.stderr)
         return 2

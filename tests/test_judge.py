@@ -307,9 +307,9 @@ def test_config_errors_are_one_line_naming_the_field(overrides, field):
 
 
 def test_pool_servers_follow_the_policy_engines_and_the_teacher(monkeypatch, tmp_path):
+    from megarl.rollout.fleet import launch_teacher
     from megarl.rollout.pools import EnginePools
     from megarl.rollout.server import SGLangServer
-    from megarl.trainer.rl import RLTrainer
 
     monkeypatch.setattr(SGLangServer, "launch", lambda self: self)  # the configs only: no process
     cfg = _cfg(f"run_dir={tmp_path}", "rollout.engine.num_engines=2", "rollout.return_routed_experts=true",
@@ -317,7 +317,7 @@ def test_pool_servers_follow_the_policy_engines_and_the_teacher(monkeypatch, tmp
                "pools.judge.model=/judge", "pools.judge.num_engines=2", "pools.judge.tp_size=2",
                "pools.judge.dtype=bfloat16", "pools.judge.max_total_tokens=1000", "pools.meta.urls=[http://m:1]",
                "pools.meta.router_policy=round_robin")
-    teacher = RLTrainer._launch_teacher(type("T", (), {"cfg": cfg, "rank": 0})(), now=True).cfg
+    teacher = launch_teacher(cfg, 0, now=True).cfg
     assert (teacher.model_path, teacher.base_gpu_id, teacher.log_dir) == ("/teacher", 2, str(tmp_path / "engine" /
                                                                                             "teacher"))
     pools = EnginePools(cfg, rank=0).launch(now=True)

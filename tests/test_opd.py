@@ -121,23 +121,23 @@ def test_teacher_with_another_tokenizer_is_refused():
 
 
 def test_trainer_starts_one_teacher_server_through_the_engine_config(monkeypatch, tmp_path):
-    """RLTrainer._launch_teacher: the policy engines' ServerConfig builder with the teacher's model, TP size and dtype,
+    """megarl.rollout.fleet.launch_teacher: the policy engines' ServerConfig builder with the teacher's model, TP size and dtype,
     its own log folder, on the GPUs after the policy engines'; the server is kept apart from the policy's (so the
     weight syncs, built from the policy's servers only, never reach it)."""
+    from megarl.rollout.fleet import launch_teacher
     from megarl.rollout.server import SGLangServer
-    from megarl.trainer.rl import RLTrainer
 
     monkeypatch.setattr(SGLangServer, "launch", lambda self: self)  # the config only: no process
     cfg = _cfg(f"run_dir={tmp_path}", "algorithm.advantage_estimator=opd", "teacher.model=/teacher",
                "teacher.tp_size=2", "teacher.dtype=bfloat16", "rollout.engine.num_engines=2",
                "rollout.return_routed_experts=true")
-    server = RLTrainer._launch_teacher(types.SimpleNamespace(cfg=cfg, rank=0), now=True)
+    server = launch_teacher(cfg, 0, now=True)
     c = server.cfg
     assert (c.model_path, c.tp_size, c.dtype, c.base_gpu_id) == ("/teacher", 2, "bfloat16", 2)
     assert c.log_dir == str(tmp_path / "engine" / "teacher") and "--enable-return-routed-experts" not in c.extra_args
-    assert RLTrainer._launch_teacher(types.SimpleNamespace(cfg=cfg, rank=1), now=True) is None  # rank 0 only
+    assert launch_teacher(cfg, 1, now=True) is None  # rank 0 only
     no_model = _cfg("algorithm.advantage_estimator=opd", "teacher.urls=[http://t:1]")
-    assert RLTrainer._launch_teacher(types.SimpleNamespace(cfg=no_model, rank=0), now=True) is None
+    assert launch_teacher(no_model, 0, now=True) is None
 
 
 # ----------------------------------------------------------------------------------------- with a real engine

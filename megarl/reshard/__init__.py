@@ -9,5 +9,28 @@ from .verify import WeightMismatchError, tensor_checksum, verify_checksums, veri
 TRANSPORTS = {"tensor": TensorTransport, "distributed": DistributedTransport, "disk": DiskTransport}
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "TRANSPORTS", "BucketPacker", "DiskTransport", "DistributedTransport", "SyncConfig",
+           "engine_syncs",
            "FlatBucket", "TensorTransport", "TransportOptions", "WeightMismatchError", "WeightSource", "WeightSync", "tensor_checksum",
            "send_buckets", "verify_checksums", "verify_probes"]
+
+
+def engine_syncs(clients: list, bridge, chunks: list, reshard, engine, run_dir: str, rank: int,
+                 local: bool) -> list[WeightSync]:
+    """One WeightSync per policy engine client: reshard (the reshard config section) picks the transport, bucket size
+    and verification; engine (rollout.engine) gives the engine's TP size and dtype. local: the engines run on rank 0's
+    node (else they join the distributed transport's group at rank 0's host name)."""
+    import os
+    import socket
+
+    import torch
+
+    syncs = []
+    for i, client in enumerate(clients):
+        transport = TRANSPORTS[reshard.transport](client, TransportOptions(
+            engine_tp=engine.tp_size, folder=os.path.join(run_dir, "engine", f"weights-{i}"),
+            master_address=reshard.master_address or ("127.0.0.1" if local else socket.gethostname())))
+        syncs.append(WeightSync(bridge, chunks, transport, client if rank == 0 else None,
+                                SyncConfig(bucket_bytes=reshard.bucket_mb << 20, verify_every=reshard.verify_every,
+                                           verify_checksums=reshard.verify_checksums, probe_atol=reshard.probe_atol,
+                                           engine_dtype=getattr(torch, engine.dtype) if engine.dtype else None)))
+    return syncs

@@ -61,7 +61,7 @@ class EnginePools:
     def launch(self, now: bool = False) -> "EnginePools":
         """Rank 0 launches the servers of the pools with `model` and returns at once. On CPU as soon as called (start-up
         overlaps the trainer's build); on a GPU only with now=True, once the trainer holds its memory (SGLang sizes its
-        KV cache from the memory free at its start: see RLTrainer._launch_engines)."""
+        KV cache from the memory free at its start: see megarl.rollout.fleet)."""
         if self.rank != 0 or (platform.on_gpu() and not now):
             return self
         for name, pool in self.cfg.pools.items():

@@ -15,38 +15,62 @@ import math
 import os
 
 import torch
+import torch.distributed as dist
 
-from ..data import load_responses
-from ..errors import on_rank0
+from .. import parallel
+from ..data import PROCEDURAL, ChatTokenizer, load_prompts, load_responses
+from ..errors import about, on_rank0
 from ..evaluation import plot_pass_at_k
 from ..losses import compute_log_probs
+from ..reshard import engine_syncs
+from ..rewards import RewardPool
+from ..rollout import EngineRouter
+from ..rollout.fleet import EngineFleet
+from .async_rollout import version_name
 from .batching import Sample, rank_batch
+from .checkpoint import latest_checkpoint
 from .metrics import over_last_stage
-from .rl import RLTrainer
-from .setup import prompt_tools
+from .rollout import Rollout
+from .setup import build_policy, init_parallel, moe_config_overrides, prepare_model_folder, prompt_tools, resolve_load
 
 
-def response_stats(trainer: RLTrainer, pairs: list[tuple[list[int], list[int]]]) -> dict:
+def held_out_prompts(cfg, tok) -> list:
+    """The held-out prompts (data.eval, or a procedural source's held-out split; none without either)."""
+    spec = cfg.data.eval or (cfg.data.train if cfg.data.train in PROCEDURAL else None)
+    with about(f"data.eval={spec}"):
+        return load_prompts(spec, tok, cfg.data, "eval", prompt_tools(cfg)) if spec else []
+
+
+def held_out_metrics(rollout: Rollout, records: list, rl, rollout_cfg, tag, samples: int | None = None):
+    """(metrics, pass@k curve) of `samples` (default rl.eval_samples) engine samples per held-out prompt, at
+    rl.eval_temperature (default the rollout's); ({}, None) without prompts."""
+    if not records:
+        return {}, None
+    temperature = rl.eval_temperature if rl.eval_temperature is not None else rollout_cfg.temperature
+    return rollout.evaluate(records, samples or rl.eval_samples, temperature, tag)
+
+
+def response_stats(policy, tok, groups, algo, max_tokens_per_microbatch: int, client,
+                   pairs: list[tuple[list[int], list[int]]]) -> dict:
     """Perplexity and mean entropy (nats) of the responses under the trainer's model (temperature 1), and their
-    perplexity under the engine; token-weighted over all responses."""
+    perplexity under the engine (`client`, rank 0); token-weighted over all responses."""
     samples = [Sample(group=i, prompt_index=i, prompt_ids=p, response_ids=r, rollout_log_probs=[0.0] * len(r),
                       finish_reason="stop") for i, (p, r) in enumerate(pairs)]
-    rb = rank_batch(samples, trainer.dp_rank, trainer.dp_size, trainer.tok.pad_id,
-                    seq_multiple=trainer.pg.tp.size(),
-                    max_tokens_per_microbatch=trainer.cfg.rl.max_tokens_per_microbatch)
+    pg = groups.mcore
+    rb = rank_batch(samples, groups.dp_rank, groups.dp_size, tok.pad_id, seq_multiple=pg.tp.size(),
+                    max_tokens_per_microbatch=max_tokens_per_microbatch)
     sums = torch.zeros(3, dtype=torch.float64)  # sum log-prob, sum entropy, tokens
-    per_token = compute_log_probs(trainer.policy.model, rb.batch, rb.num_microbatches, trainer.bridge.vocab_size,
-                                  entropy=True, fused=trainer.cfg.algorithm.fused_logprobs,
-                                  pack=trainer.cfg.algorithm.pack_sequences, pg=trainer.pg)
+    per_token = compute_log_probs(policy.model, rb.batch, rb.num_microbatches, policy.bridge.vocab_size,
+                                  entropy=True, fused=algo.fused_logprobs, pack=algo.pack_sequences, pg=pg)
     if per_token is not None:  # the last pipeline stage
         sums += torch.stack([per_token[0].sum(), per_token[1].sum(), rb.batch.loss_mask.sum()]).double()
-    over_last_stage(sums, trainer.pg)
+    over_last_stage(sums, pg)
     stats = {"responses": len(pairs), "tokens": int(sums[2]), "trainer_ppl": math.exp(-sums[0] / sums[2]),
              "trainer_entropy": float(sums[1] / sums[2])}
 
     def engine_ppl():
         sequences = [p + r for p, r in pairs]
-        log_probs = trainer.clients[0].prompt_log_probs(sequences)  # log p(seq[t] | seq[:t]) for t >= 1
+        log_probs = client.prompt_log_probs(sequences)  # log p(seq[t] | seq[:t]) for t >= 1
         tail = [lp[len(lp) - len(r):] for lp, (_, r) in zip(log_probs, pairs)]
         return math.exp(-sum(map(sum, tail)) / sum(map(len, tail)))
 
@@ -56,26 +80,62 @@ def response_stats(trainer: RLTrainer, pairs: list[tuple[list[int], list[int]]])
 
 
 def run_eval(cfg, samples: int | None = None, responses: str | None = None, out: str | None = None) -> dict:
+    """Builds only what evaluation needs: the engines, the policy's weights (no optimizer), the weight sync into the
+    engines and, on rank 0, the rollout with the reward."""
     out = out or os.path.join(cfg.run_dir, "eval")
-    trainer = RLTrainer(cfg, metrics_log=False)
+    parallel.init_distributed(parallel=cfg.parallel)
+    rank = dist.get_rank()
+    model_path = prepare_model_folder(cfg)
+    fleet = EngineFleet(cfg, model_path, rank)
+    records = rewards = eval_rewards = rollout = None
+    syncs = []
     try:
-        trainer.sync_weights(trainer.step, verify=True)
-        result: dict = {"step": trainer.step}
-        if samples:
-            cfg.rl.eval_samples = samples
-        result.update(trainer.evaluate("eval"))
-        curve = trainer.state.get("eval_curves", {}).get("eval")
+        folder = init_parallel(cfg, model_path)
+        groups, tok = parallel.groups(), ChatTokenizer.from_pretrained(model_path)
+        checkpoints = os.path.join(cfg.run_dir, "checkpoints")
+        latest = latest_checkpoint(checkpoints) if cfg.checkpoint.resume and os.path.isdir(checkpoints) else None
+        step = 0
+        if latest is not None:
+            with open(os.path.join(latest, "trainer_state.json")) as f:
+                step = json.load(f)["step"]
+        policy = build_policy(folder, None, 0, load=latest or resolve_load(cfg),
+                              config_overrides=moe_config_overrides(cfg, folder), pg=groups.mcore)
+
+        def start_rollout():
+            nonlocal records, rewards, eval_rewards
+            records = held_out_prompts(cfg, tok)
+            rewards = RewardPool(cfg.reward.name, cfg.reward.workers, cfg.reward.timeout_s, cfg.reward.kwargs)
+            if cfg.reward.eval_name not in (None, cfg.reward.name):  # the held-out set's own checker
+                eval_rewards = RewardPool(cfg.reward.eval_name, 1, cfg.reward.timeout_s)
+
+        on_rank0(start_rollout)  # a bad data file fails before anything waits for an engine
+        fleet.connect()
+        if rank == 0:
+            rollout = Rollout(cfg, tok, EngineRouter(fleet.clients, cfg.rollout.engine.router_policy), rewards,
+                              tools=prompt_tools(cfg), pools=fleet.pool_routers(), eval_rewards=eval_rewards)
+        fleet.resume_memory()
+        syncs = engine_syncs(fleet.clients, policy.bridge, policy.chunks, cfg.reshard, cfg.rollout.engine,
+                             cfg.run_dir, rank, local=fleet.local)
+        for sync in syncs:  # the engines hold exactly the weights evaluated
+            sync.sync(version_name(step), verify=True)
+        result: dict = {"step": step}
+        metrics, curve = on_rank0(lambda: held_out_metrics(rollout, records, cfg.rl, cfg.rollout, "eval", samples))
+        result.update(metrics)
         if responses:
-            pairs = on_rank0(lambda: load_responses(responses, trainer.tok, cfg.data, prompt_tools(cfg)))
-            result.update({f"responses/{k}": v for k, v in response_stats(trainer, pairs).items()})
-        if trainer.rank == 0:
+            pairs = on_rank0(lambda: load_responses(responses, tok, cfg.data, prompt_tools(cfg)))
+            stats = response_stats(policy, tok, groups, cfg.algorithm, cfg.rl.max_tokens_per_microbatch,
+                                   fleet.clients[0] if rank == 0 else None, pairs)
+            result.update({f"responses/{k}": v for k, v in stats.items()})
+        if rank == 0:
             os.makedirs(out, exist_ok=True)
             if curve:
                 result["pass_at_k_curve"] = {str(k): v for k, v in curve.items()}
-                result["pass_at_k_png"] = plot_pass_at_k({f"step {trainer.step}": curve},
-                                                         os.path.join(out, "pass_at_k.png"))
+                result["pass_at_k_png"] = plot_pass_at_k({f"step {step}": curve}, os.path.join(out, "pass_at_k.png"))
             with open(os.path.join(out, "eval.json"), "w") as f:
                 json.dump(result, f, indent=1)
         return result
     finally:
-        trainer.close()
+        for closeable in (*syncs, rollout, rewards, eval_rewards):
+            if closeable is not None:
+                closeable.close()
+        fleet.stop()

@@ -22,20 +22,20 @@ from .. import parallel, platform
 from ..algorithms.advantages import RETURNS_TEACHER_LOG_RATIO
 from ..config import ConfigError, to_dict
 from ..errors import about, on_rank0, on_ranks
-from ..data import PROCEDURAL, ChatTokenizer, load_prompts
+from ..data import ChatTokenizer, load_prompts
 from ..losses import TokenBatch, compute_log_probs
 from ..losses.rl import place_response_values, shift_sequences
 from ..models.moe import RoutingStats
-from ..reshard import TRANSPORTS, SyncConfig, TransportOptions, WeightSync
+from ..reshard import engine_syncs
 from ..rewards import RewardPool
-from ..rollout import EngineClient, EngineRouter, SGLangServer
-from ..rollout.pools import EnginePools, pool_server_config
-from ..rollout.server import engine_server_config
-from ..rollout.teacher import Teacher, check_same_tokenizer
+from ..rollout import EngineRouter
+from ..rollout.fleet import EngineFleet
+from ..rollout.teacher import check_same_tokenizer
 from . import metrics, step as phases
 from .async_rollout import RolloutBatch, RolloutProducer, sample_version_stats, version_name
 from .batching import BatchPlan, PackedRollout, RankBatch
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .evaluate import held_out_metrics, held_out_prompts
 from .logging import MetricsLog, PhaseTimer
 from .preemption import StopRequest
 from .rollout import PromptStream, Rollout, Workers, rollout_metrics
@@ -73,16 +73,11 @@ class RLTrainer:
         self.model_path = prepare_model_folder(cfg)
         if cfg.teacher.model:  # before any engine starts: a teacher with another tokenizer is refused in seconds
             on_rank0(lambda: check_same_tokenizer(self.model_path, cfg.teacher.model))
-        self.servers = self._launch_engines()
-        self.teacher_server = self._launch_teacher()
-        self.pools = EnginePools(cfg, self.rank).launch()  # pools.<name> (judges, verifiers): never weight-synced
+        self.fleet = EngineFleet(cfg, self.model_path, self.rank)  # policy engines, teacher, pools
         try:
             self._build(cfg, metrics_log)
         except BaseException:  # the engines launched above do not outlive a failed set-up
-            for server in self.servers + [self.teacher_server]:
-                if server is not None:
-                    server.stop()
-            self.pools.stop()
+            self.fleet.stop()
             raise
 
     def _build(self, cfg, metrics_log: bool) -> None:
@@ -127,33 +122,15 @@ class RLTrainer:
         # engines. A failure on one rank reaches every rank.
         self.workers, self.worker_ranks = self._rollout_workers()
         on_ranks(self._start_worker, here=self.rank in self.worker_ranks)
-        urls = on_rank0(self._start_rank0)
-        teacher_urls = on_rank0(self._start_teacher) if cfg.teacher.enabled else []
-        pool_urls = on_rank0(self.pools.wait_ready) if cfg.pools else {}
-        self.clients = [EngineClient(server=s) for s in self.servers] if self.servers else \
-            [EngineClient(url) for url in urls]
+        self.eval_records = on_rank0(lambda: held_out_prompts(cfg, self.tok))
+        self.clients = self.fleet.connect().clients
         if self.rank in self.worker_ranks:
             self.router = EngineRouter(self.clients, cfg.rollout.engine.router_policy)
-            # opd: the teacher's engines are asked for log-probs only; they are not in self.clients, so no weight
-            # sync ever reaches them
-            teacher = Teacher([EngineClient(server=self.teacher_server) if self.teacher_server else EngineClient(u)
-                               for u in teacher_urls]) if teacher_urls else None
-            # the other pools (a judge's): their own routers, also never in self.clients (no weight sync)
-            self.rollout = Rollout(cfg, self.tok, self.router, self.rewards, tools=self._tools, teacher=teacher,
-                                   pools=self.pools.routers(pool_urls), eval_rewards=self.eval_rewards)
-        e = cfg.rollout.engine
-        self.syncs = []
-        for i, client in enumerate(self.clients):
-            t = TRANSPORTS[cfg.reshard.transport](client, TransportOptions(
-                engine_tp=e.tp_size, folder=os.path.join(cfg.run_dir, "engine", f"weights-{i}"),
-                # engines on other hosts join the group at rank 0's host name
-                master_address=cfg.reshard.master_address or ("127.0.0.1" if self.servers else socket.gethostname())))
-            self.syncs.append(WeightSync(self.bridge, self.policy.chunks, t, client if self.rank == 0 else None,
-                                         SyncConfig(bucket_bytes=cfg.reshard.bucket_mb << 20,
-                                                    verify_every=cfg.reshard.verify_every,
-                                                    verify_checksums=cfg.reshard.verify_checksums,
-                                                    probe_atol=cfg.reshard.probe_atol,
-                                                    engine_dtype=getattr(torch, e.dtype) if e.dtype else None)))
+            self.rollout = Rollout(cfg, self.tok, self.router, self.rewards, tools=self._tools,
+                                   teacher=self.fleet.teacher(), pools=self.fleet.pool_routers(),
+                                   eval_rewards=self.eval_rewards)
+        self.syncs = engine_syncs(self.clients, self.bridge, self.policy.chunks, cfg.reshard, cfg.rollout.engine,
+                                  cfg.run_dir, self.rank, local=self.fleet.local)
 
     def _rollout_workers(self) -> tuple[Workers, list[int]]:
         """The ranks that run rollouts (rollout.workers), and this rank's place among them. A collective."""
@@ -181,48 +158,6 @@ class RLTrainer:
         self.eval_rewards = RewardPool(cfg.reward.eval_name, 1, cfg.reward.timeout_s) \
             if self.rank == 0 and cfg.reward.eval_name not in (None, cfg.reward.name) else None
 
-    def _start_rank0(self) -> list:
-        cfg, urls = self.cfg, list(self.cfg.rollout.engine.urls)
-        eval_spec = cfg.data.eval or (cfg.data.train if cfg.data.train in PROCEDURAL else None)
-        with about(f"data.eval={eval_spec}"):
-            self.eval_records = load_prompts(eval_spec, self.tok, cfg.data, "eval", prompt_tools(cfg)) \
-                if eval_spec else []
-        if not urls:
-            self.servers = self.servers or self._launch_engines(now=True)
-            urls = [server.wait_ready().url for server in self.servers]
-        return urls
-
-    def _launch_engines(self, now: bool = False) -> list[SGLangServer]:
-        """Rank 0 launches the engines this job runs itself (none with rollout.engine.urls). On CPU they are launched
-        as soon as the model folder exists, so SGLang's start-up overlaps the trainer's model build; on a GPU they
-        are launched only once the trainer holds its memory (now=True: SGLang sizes its KV cache from the memory free
-        at its start, which must not race the trainer's allocations)."""
-        cfg = self.cfg
-        if self.rank != 0 or cfg.rollout.engine.urls or (platform.on_gpu() and not now):
-            return []
-        # the one ServerConfig builder (megarl.rollout.server); several engines on one node: own GPUs each
-        return [SGLangServer(engine_server_config(cfg, self.model_path, i,
-                                                  base_gpu_id=i * cfg.rollout.engine.tp_size if i else None)).launch()
-                for i in range(cfg.rollout.engine.num_engines)]
-
-    def _launch_teacher(self, now: bool = False) -> SGLangServer | None:
-        """opd with teacher.model: rank 0 launches ONE more SGLang server for the teacher, through the policy engines'
-        ServerConfig builder (its own log folder, TP size and dtype; GPUs after the policy engines'), at the same
-        moment as those (see _launch_engines)."""
-        cfg = self.cfg
-        if self.rank != 0 or not cfg.teacher.model or (platform.on_gpu() and not now):
-            return None
-        return SGLangServer(pool_server_config(cfg, "teacher", cfg.teacher)).launch()  # the teacher is a pool too
-
-    def _start_teacher(self) -> list[str]:
-        """Rank 0: the teacher's URLs (teacher.urls, tokenizers checked where visible; or the server this job started,
-        once it generates)."""
-        if self.cfg.teacher.urls:
-            Teacher([EngineClient(u) for u in self.cfg.teacher.urls]).check_tokenizer(self.model_path)
-            return list(self.cfg.teacher.urls)
-        self.teacher_server = self.teacher_server or self._launch_teacher(now=True)
-        return [self.teacher_server.wait_ready().url]
-
     def _resume(self) -> None:
         path = latest_checkpoint(self.ckpt_root) if self.cfg.checkpoint.resume and \
             os.path.isdir(self.ckpt_root) else None
@@ -248,7 +183,7 @@ class RLTrainer:
             #                        producer thread did it while earlier steps trained)
             self._batch = on_ranks(lambda: self.producer.take(step) if self.producer else self._collect(step),
                                    here=self.rank in self.worker_ranks)
-        self._engines("release_memory")  # colocated GPUs: the engine's memory goes to training (no-op on CPU)
+        self.fleet.release_memory()  # colocated GPUs: the engine's memory goes to training (no-op on CPU)
         with timer("dispatch"):  # 2. this DP rank's rows, and only those, as tensors
             rb, received = phases.dispatch_rank_batch(self._batch, step, self.groups, self.worker_ranks,
                                                       self.tok.pad_id, self._routing_shape())
@@ -379,16 +314,11 @@ class RLTrainer:
             self._place_ref("cpu")
 
     # ------------------------------------------------------------------------------------------ engine side
-    def _engines(self, method: str) -> None:
-        if self.rank == 0 and platform.on_gpu() and not self.cfg.rollout.engine.urls:
-            for client in self.clients:
-                getattr(client, method)()
-
     def sync_weights(self, version: int, verify: bool | None = None) -> dict:
         """Push the weights after step `version` into the policy engines. With asynchronous rollouts in flight:
         partial rollouts pause the engines (their requests abort and continue under the new weights), verification
         runs once they generate again; the fixed schedule first waits for the rollout sampled from the old weights."""
-        self._engines("resume_memory")
+        self.fleet.resume_memory()
         partial = self.producer is not None and self.cfg.rl.partial_rollouts
         if self.producer is not None and not partial:
             self.producer.wait_generated(version + self.cfg.rl.max_staleness)
@@ -415,11 +345,9 @@ class RLTrainer:
         cfg = self.cfg
 
         def run():
-            if not self.eval_records:
-                return {}
-            temperature = cfg.rl.eval_temperature if cfg.rl.eval_temperature is not None else cfg.rollout.temperature
-            result, curve = self.rollout.evaluate(self.eval_records, cfg.rl.eval_samples, temperature, tag)
-            self.state.setdefault("eval_curves", {})[str(tag)] = curve
+            result, curve = held_out_metrics(self.rollout, self.eval_records, cfg.rl, cfg.rollout, tag)
+            if curve is not None:
+                self.state.setdefault("eval_curves", {})[str(tag)] = curve
             return result
 
         result = on_rank0(run) or {}
@@ -538,7 +466,4 @@ class RLTrainer:
                 self.eval_rewards.close()
             if self.log is not None:
                 self.log.close()
-        for server in self.servers + [self.teacher_server]:
-            if server is not None:
-                server.stop()
-        self.pools.stop()
+        self.fleet.stop()

@@ -113,7 +113,8 @@ def moe_config_overrides(cfg, folder) -> dict:
 def build_policy(folder, optim, total_steps: int, load: str | None = None,
                  config_overrides: dict | None = None, pg=None) -> Policy:
     """Sharded policy with the HF weights (or a megarl checkpoint's model weights when `load` is set), on the layout
-    of pg (megatron-core's ProcessGroupCollection; None: megatron's parallel_state groups)."""
+    of pg (megatron-core's ProcessGroupCollection; None: megatron's parallel_state groups). optim None: weights only,
+    for forward passes (`megarl eval`): no DDP wrapper, optimizer or schedule."""
     from ..models.checkpoint import load_model_checkpoint
 
     bridge = ModelBridge(folder, config_overrides=config_overrides, pg=pg)
@@ -122,6 +123,8 @@ def build_policy(folder, optim, total_steps: int, load: str | None = None,
         load_model_checkpoint(chunks, resolve_checkpoint(load))
     else:
         bridge.load_hf_weights(chunks)
+    if optim is None:
+        return Policy(bridge, chunks, chunks, None, None)
     model = wrap_ddp(chunks, optim.distributed_optimizer, pg=bridge.pg)
     optimizer, scheduler = make_optimizer(
         model, optim.lr, optim.min_lr, optim.warmup_steps, optim.decay_style, total_steps,
