@@ -10,9 +10,7 @@ Run it under torchrun: `megarl train CONFIG [key=value ...]`.
 from __future__ import annotations
 
 import json
-import logging
 import os
-import socket
 import time
 
 import torch
@@ -21,33 +19,25 @@ import torch.distributed as dist
 from .. import parallel, platform
 from ..algorithms.advantages import RETURNS_TEACHER_LOG_RATIO
 from ..config import ConfigError, to_dict
-from ..errors import about, on_rank0, on_ranks
-from ..data import ChatTokenizer, load_prompts
+from ..errors import on_rank0
+from ..data import ChatTokenizer
 from ..losses import TokenBatch, compute_log_probs
 from ..losses.rl import place_response_values, shift_sequences
 from ..models.moe import RoutingStats
 from ..reshard import engine_syncs
-from ..rewards import RewardPool
-from ..rollout import EngineRouter
 from ..rollout.fleet import EngineFleet
 from ..rollout.teacher import check_same_tokenizer
 from . import metrics, step as phases
-from .async_rollout import RolloutBatch, RolloutProducer, sample_version_stats, version_name
-from .batching import BatchPlan, PackedRollout, RankBatch
+from .async_rollout import version_name
+from .batching import RankBatch
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .evaluate import held_out_metrics, held_out_prompts
 from .logging import MetricsLog, PhaseTimer
 from .preemption import StopRequest
-from .rollout import PromptStream, Rollout, Workers, rollout_metrics
+from .workers import RolloutWorkers
 from .setup import (build_critic, build_policy, build_reference, init_parallel, moe_config_overrides,
-                    prepare_model_folder, prompt_tools, resolve_load)
+                    prepare_model_folder, resolve_load)
 
-logger = logging.getLogger("megarl")
-
-
-def _listed(values):
-    """JSON-ready: arrays (what the rollout holds) as lists; None stays None."""
-    return values.tolist() if hasattr(values, "tolist") else values
 
 
 def dumped_samples(run_dir: str, step: int) -> list[dict]:
@@ -85,9 +75,6 @@ class RLTrainer:
         self.groups = parallel.groups()
         self.pg = self.groups.mcore  # megatron-core's ProcessGroupCollection: passed to every collective below
         self.dp_rank, self.dp_size = self.groups.dp_rank, self.groups.dp_size
-        self._batch: RolloutBatch | None = None  # a rollout worker: its share of the step's rollout (see _collect)
-        self.producer: RolloutProducer | None = None  # rl.max_staleness > 0: the rollouts of the next steps
-        self._queued: list[RolloutBatch] = []  # asynchronous rollouts restored from a checkpoint
         self.tok = ChatTokenizer.from_pretrained(self.model_path)
         updates = cfg.rl.steps * cfg.rl.ppo_epochs * cfg.rl.mini_batches
         self.policy = build_policy(folder, cfg.optim, updates, load=resolve_load(cfg),
@@ -117,46 +104,15 @@ class RLTrainer:
     # ------------------------------------------------------------------------------------------------ set-up
     def _start_rollout_side(self) -> None:
         cfg = self.cfg
-        # each rollout worker reads the training prompts and starts its own reward pool (a bad data file fails in
+        # the rollout workers read the training prompts and start their reward pools (a bad data file fails in
         # seconds, before anything waits for an engine); then rank 0 reads the held-out data and waits for its
         # engines. A failure on one rank reaches every rank.
-        self.workers, self.worker_ranks = self._rollout_workers()
-        on_ranks(self._start_worker, here=self.rank in self.worker_ranks)
+        self.side = RolloutWorkers(cfg, self.tok, self.groups, self.rank, self.started, self._routing_shape())
         self.eval_records = on_rank0(lambda: held_out_prompts(cfg, self.tok))
         self.clients = self.fleet.connect().clients
-        if self.rank in self.worker_ranks:
-            self.router = EngineRouter(self.clients, cfg.rollout.engine.router_policy)
-            self.rollout = Rollout(cfg, self.tok, self.router, self.rewards, tools=self._tools,
-                                   teacher=self.fleet.teacher(), pools=self.fleet.pool_routers(),
-                                   eval_rewards=self.eval_rewards)
+        self.side.connect(self.fleet)
         self.syncs = engine_syncs(self.clients, self.bridge, self.policy.chunks, cfg.reshard, cfg.rollout.engine,
                                   cfg.run_dir, self.rank, local=self.fleet.local)
-
-    def _rollout_workers(self) -> tuple[Workers, list[int]]:
-        """The ranks that run rollouts (rollout.workers), and this rank's place among them. A collective."""
-        mode, leaders = self.cfg.rollout.workers, list(self.groups.leaders)
-        if mode == "rank0":
-            ranks = [0]
-        elif mode == "dp_leaders" or self.cfg.rollout.engine.urls:
-            ranks = leaders
-        else:  # auto with engines this job started on rank 0's node, reachable at 127.0.0.1 from that node only
-            hosts = [None] * dist.get_world_size()
-            dist.all_gather_object(hosts, socket.gethostname())
-            ranks = [r for r in leaders if hosts[r] == hosts[0]]
-        group = dist.new_group(ranks) if len(ranks) > 1 else None  # every rank creates it (torch.distributed)
-        here = ranks.index(self.rank) if self.rank in ranks else 0
-        return Workers(here, len(ranks), group), ranks
-
-    def _start_worker(self) -> None:
-        cfg = self.cfg
-        self._tools = prompt_tools(cfg)
-        with about(f"data.train={cfg.data.train}"):
-            self.train_records = load_prompts(cfg.data.train, self.tok, cfg.data, "train", self._tools)
-        self.stream = PromptStream(self.train_records, cfg.seed, cfg.data.shuffle)
-        self.rewards = RewardPool(cfg.reward.name, cfg.reward.workers, cfg.reward.timeout_s, cfg.reward.kwargs)
-        # held-out evaluation (rank 0) with its own checker (reward.eval_name)
-        self.eval_rewards = RewardPool(cfg.reward.eval_name, 1, cfg.reward.timeout_s) \
-            if self.rank == 0 and cfg.reward.eval_name not in (None, cfg.reward.name) else None
 
     def _resume(self) -> None:
         path = latest_checkpoint(self.ckpt_root) if self.cfg.checkpoint.resume and \
@@ -166,13 +122,7 @@ class RLTrainer:
         self.state = load_checkpoint(path, self.policy.chunks, self.policy.optimizer, self.policy.scheduler,
                                      critic=self.critic)
         self.step = self.state["step"]
-        if self.rank in self.worker_ranks:  # every worker keeps the same prompt stream
-            # asynchronous RL: the finished, untrained rollouts saved with the checkpoint come first, then the
-            # prompts after them; without them (another world size), their prompts are generated again
-            self._queued = self.state.pop("rank_state", {}).get("rollouts", [])
-            self.stream.load(self.state["data"] if self._queued else self.state.get("data_untrained",
-                                                                                   self.state["data"]))
-            logger.info("resumed from %s (step %d, %d rollouts ahead)", path, self.step, len(self._queued))
+        self.side.resume(self.state, self.step, path)
 
     # ------------------------------------------------------------------------------------------- the RL step
     def step_once(self, step: int) -> dict:
@@ -181,11 +131,10 @@ class RLTrainer:
         cfg, algo, pg, timer, start = self.cfg, self.cfg.algorithm, self.pg, PhaseTimer(), time.perf_counter()
         with timer("rollout"):  # 1. engines sample, rewards score (the rollout workers; under rl.max_staleness the
             #                        producer thread did it while earlier steps trained)
-            self._batch = on_ranks(lambda: self.producer.take(step) if self.producer else self._collect(step),
-                                   here=self.rank in self.worker_ranks)
+            rollout = self.side.take(step)
         self.fleet.release_memory()  # colocated GPUs: the engine's memory goes to training (no-op on CPU)
         with timer("dispatch"):  # 2. this DP rank's rows, and only those, as tensors
-            rb, received = phases.dispatch_rank_batch(self._batch, step, self.groups, self.worker_ranks,
+            rb, received = phases.dispatch_rank_batch(rollout, step, self.groups, self.side.ranks,
                                                       self.tok.pad_id, self._routing_shape())
         batch, engine_routing = rb.batch, rb.batch.routed_experts  # MoE: the engine's experts, replayed only with R3
         batch.routed_experts = engine_routing if cfg.rollout.routing_replay else None
@@ -233,63 +182,22 @@ class RLTrainer:
 
     def _step_metrics(self, trained: dict, signals: dict, timer: PhaseTimer, synced: dict, received: int,
                       start: float) -> dict:
-        out = {**trained, **(self._batch.stats if self._batch is not None else {}), **signals, **timer.take()}
-        out.update({f"reshard/{k}": v for k, v in synced.items() if isinstance(v, (int, float))})
         elapsed = time.perf_counter() - start
+        out = {**trained, **self.side.step_stats(elapsed), **signals, **timer.take()}
+        out.update({f"reshard/{k}": v for k, v in synced.items() if isinstance(v, (int, float))})
         out.update({"time/step_s": elapsed, "time/step_start": start - self.started,
                     "dispatch/bytes_received": received})
-        if self.rank in self.worker_ranks:
-            out["perf/tokens_per_s"] = out["rollout/tokens"] / elapsed
-            if self.producer is not None:  # the share of the step's wall time the engines spent generating
-                busy = self.producer.busy_s()
-                out["async/rollout_busy_frac"] = min(1.0, (busy - self._busy_before) / elapsed)
-                self._busy_before = busy
         return out
 
     def _routing_shape(self) -> tuple[int, int] | None:
         return self.routing_shape if self.cfg.rollout.engine_routing else None
-
-    def _collect(self, step: int) -> RolloutBatch:
-        """A rollout worker (the main thread, or the producer thread with rl.max_staleness > 0): its share of the
-        step's samples (kept for metrics and dumps), packed under their step-wide indices (group * n_samples + j),
-        the step's plan from every sample's length, and the rollout statistics; sums over the workers (the same on
-        every worker). Only the workers' own group is used: the main thread's collectives run meanwhile."""
-        cfg, n = self.cfg, self.cfg.rollout.n_samples
-        before, started = self.stream.state(), time.perf_counter() - self.started
-        samples, stats = self.rollout.collect(self.stream, step, self.workers)
-        packed = PackedRollout.from_samples(samples, routing=self._routing_shape() is not None, group_size=n,
-                                            teacher=cfg.teacher.enabled, versions=cfg.rl.max_staleness > 0,
-                                            teacher_top_k=cfg.algorithm.opd_top_k)
-        plan = BatchPlan.from_workers(packed, cfg.rollout.prompts_per_step * n, n, self.workers.sum, self.dp_size,
-                                      self.pg.tp.size(), cfg.rl.max_tokens_per_microbatch,
-                                      row_multiple=cfg.rl.mini_batches)
-        stats.update(rollout_metrics(samples, self.workers, version_name(step - 1) if step > 1 else None))
-        errors = self.workers.sum(torch.tensor([float(self.rewards.take_errors())]))
-        stats["reward/errors"] = int(errors[0])
-        if cfg.rl.max_staleness:
-            versions = sample_version_stats(samples)
-            (partial, count), oldest = self.workers.sum(versions[:2].clone()).tolist(), -self.workers.max(-versions[2:])
-            stats.update({"async/partial_sample_frac": partial / max(count, 1),
-                          "async/max_lag": step - 1 - float(oldest[0]) if count else 0.0})
-        # when this worker generated it, in seconds since the trainer started (benchmarks/async_rl.py's timeline)
-        stats.update({"time/generate_start": started, "time/generate_end": time.perf_counter() - self.started})
-        return RolloutBatch(step, samples, packed, plan, stats, before, self.stream.state())
 
     def _dump(self, step: int, rb: RankBatch) -> None:
         """Each rollout worker: the engine's samples it generated (read them back with dumped_samples); the first
         TP/PP rank of each DP rank: the token rows it trains on."""
         folder = os.path.join(self.cfg.run_dir, "rollouts")
         os.makedirs(folder, exist_ok=True)
-        if self.rank in self.worker_ranks:
-            with open(os.path.join(folder, f"step_{step:06d}.worker{self.workers.index}.jsonl"), "w") as f:
-                for index, s in zip(self._batch.packed.sample_index.tolist(), self._batch.samples):
-                    f.write(json.dumps({"sample": index, "group": s.group, "prompt_index": s.prompt_index,
-                                        "prompt_ids": _listed(s.prompt_ids),
-                                        "response_ids": _listed(s.response_ids),
-                                        "rollout_log_probs": _listed(s.rollout_log_probs), "reward": s.reward,
-                                        "token_versions": _listed(s.token_versions),
-                                        "finish_reason": s.finish_reason, "loss_mask": _listed(s.loss_mask),
-                                        "extra": s.extra}) + "\n")
+        self.side.dump(step, folder)
         if self.pg.tp.rank() == 0 and self.pg.pp.rank() == 0:
             with open(os.path.join(folder, f"step_{step:06d}.dp{self.dp_rank}.train.jsonl"), "w") as f:
                 for row, (index, n) in enumerate(zip(rb.sample_index, rb.samples.seq_lens.tolist())):
@@ -319,11 +227,12 @@ class RLTrainer:
         partial rollouts pause the engines (their requests abort and continue under the new weights), verification
         runs once they generate again; the fixed schedule first waits for the rollout sampled from the old weights."""
         self.fleet.resume_memory()
-        partial = self.producer is not None and self.cfg.rl.partial_rollouts
-        if self.producer is not None and not partial:
-            self.producer.wait_generated(version + self.cfg.rl.max_staleness)
+        producer = self.side.producer
+        partial = producer is not None and self.cfg.rl.partial_rollouts
+        if producer is not None and not partial:
+            producer.wait_generated(version + self.cfg.rl.max_staleness)
         if partial and self.rank == 0:
-            self.router.pause_for_update()
+            self.side.router.pause_for_update()
         stats, due = {}, []
         try:
             for sync in self.syncs:
@@ -331,13 +240,13 @@ class RLTrainer:
                 stats = sync.sync(version_name(version), verify=False if partial else due[-1])
         finally:
             if partial and self.rank == 0:
-                self.router.continue_after_update()
+                self.side.router.continue_after_update()
         if partial:
             for sync, check in zip(self.syncs, due):
                 if check:
                     stats.update(sync.verify())
-        if self.producer is not None:
-            self.producer.set_version(version)
+        if producer is not None:
+            producer.set_version(version)
         return stats
 
     def evaluate(self, tag) -> dict:
@@ -345,7 +254,7 @@ class RLTrainer:
         cfg = self.cfg
 
         def run():
-            result, curve = held_out_metrics(self.rollout, self.eval_records, cfg.rl, cfg.rollout, tag)
+            result, curve = held_out_metrics(self.side.rollout, self.eval_records, cfg.rl, cfg.rollout, tag)
             if curve is not None:
                 self.state.setdefault("eval_curves", {})[str(tag)] = curve
             return result
@@ -361,7 +270,7 @@ class RLTrainer:
         cfg = self.cfg
 
         def sample():
-            samples = self.rollout.generate(self.eval_records, 1, (cfg.seed, "forgetting", tag),
+            samples = self.side.rollout.generate(self.eval_records, 1, (cfg.seed, "forgetting", tag),
                                             cfg.rollout.temperature, cfg.rollout.max_new_tokens)
             return [(list(s.prompt_ids), list(s.response_ids), s.loss_mask) for s in samples]
 
@@ -390,10 +299,7 @@ class RLTrainer:
             self.state["eval_before"] = self.evaluate("before")
             if self.log is not None and self.state["eval_before"]:
                 self.log.log(0, self.state["eval_before"])
-        if cfg.rl.max_staleness and self.rank in self.worker_ranks:
-            self.producer = RolloutProducer(self._collect, self.step + 1, cfg.rl.steps, cfg.rl.max_staleness,
-                                            self.step, ready=self._queued)
-            self._busy_before = 0.0
+        self.side.start_producer(self.step)
         while self.step < cfg.rl.steps:
             step = self.step + 1
             metrics = self.step_once(step)
@@ -432,17 +338,18 @@ class RLTrainer:
         """A checkpoint of the step just trained. Asynchronous RL: the rollout in progress is finished first, and each
         worker's finished, untrained rollouts are saved with it (the prompt cursor after them; data_untrained: the
         cursor before them, for a resume that cannot read them back)."""
-        ahead = self.producer.drain() if self.producer is not None else []
+        producer = self.side.producer
+        ahead = producer.drain() if producer is not None else []
         try:
-            state = dict(self.state, data=self.stream.state()) if self.rank == 0 else {}  # rank 0 writes it
+            state = dict(self.state, data=self.side.stream.state()) if self.rank == 0 else {}  # rank 0 writes it
             if ahead and self.rank == 0:
                 state["data_untrained"] = ahead[0].cursor_before
             save_checkpoint(self.ckpt_root, self.step, self.policy.chunks, self.policy.optimizer,
                             self.policy.scheduler, state, keep=self.cfg.checkpoint.keep, critic=self.critic,
-                            rank_state={"rollouts": ahead} if self.producer is not None else None)
+                            rank_state={"rollouts": ahead} if producer is not None else None)
         finally:
-            if self.producer is not None:
-                self.producer.release()
+            if producer is not None:
+                producer.release()
 
     def _summary(self, after: dict) -> dict:
         before = self.state.get("eval_before") or {}
@@ -455,15 +362,9 @@ class RLTrainer:
         return summary
 
     def close(self) -> None:
-        if self.producer is not None:
-            self.producer.stop()
+        self.side.close()
         for sync in self.syncs:
             sync.close()
-        if self.rank in self.worker_ranks:
-            self.rollout.close()
-            self.rewards.close()
-            if self.eval_rewards is not None:
-                self.eval_rewards.close()
-            if self.log is not None:
-                self.log.close()
+        if self.log is not None:
+            self.log.close()
         self.fleet.stop()
