@@ -491,7 +491,7 @@ class RLTrainer:
         positions = torch.cat([positions, positions.new_zeros(rb.batch.input_ids.shape[0] - len(positions),
                                                               positions.shape[1])])
         layouts = schedule_layouts(self.policy.model, rb.batch.split(rb.num_microbatches),
-                                   self.cfg.algorithm.pack_sequences)  # the old-log-prob forward's token order
+                                   self.cfg.algorithm.pack_sequences, pg=self.pg)  # the old-log-prob forward's order
         counted = (positions, rb.num_microbatches, layouts)  # the samples' routed tokens, as the engine routed them
         stats = torch.cat([routing.agreement(engine_routing, *counted), routing.assignments(*counted)])
         load = routing.load(self.bridge.config.num_layers, self.bridge.config.num_moe_experts, *counted)
