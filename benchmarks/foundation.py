@@ -58,7 +58,7 @@ def bridge_timings(path, layout):
     loaded = time.perf_counter()
     n = sum(1 for _ in bridge.export_hf_weights(chunks))
     exported = time.perf_counter()
-    forward_logits(chunks, [torch.randint(0, 32768, (4, 128))], vocab_size=bridge.vocab_size)
+    forward_logits(chunks, [torch.randint(0, 32768, (4, 128))], vocab_size=bridge.vocab_size, pg=bridge.pg)
     forwarded = time.perf_counter()
     return {"build_s": built - start, "load_hf_s": loaded - built, "export_hf_s": exported - loaded,
             "forward_4x128_s": forwarded - exported, "tensors_exported_here": n}

@@ -519,7 +519,7 @@ def ratio_histogram(metrics: dict) -> dict:
 def tensor_reduce_metrics(per_microbatch: list[dict] | None) -> dict[str, float]:
     from megarl.losses.rl import reduce_metrics
 
-    return reduce_metrics(per_microbatch)
+    return reduce_metrics(per_microbatch, parallel.groups().mcore)
 
 
 PATHS: dict[str, Path] = {

@@ -94,10 +94,10 @@ def worker(path: str, name: str, repeats: int) -> dict:
 
     platform.setup()
     folder = open_model_folder(path)
-    parallel.initialize(parallel.ParallelConfig(), folder.shape())
-    bridge = ModelBridge(folder)
+    pg = parallel.initialize(parallel.ParallelConfig(), folder.shape()).mcore
+    bridge = ModelBridge(folder, pg=pg)
     chunks = bridge.build()
-    model = wrap_ddp(chunks)
+    model = wrap_ddp(chunks, pg=pg)
     device = torch.cuda.current_device() if platform.on_gpu() else "cpu"
     batch = token_batch(CASES[name], bridge.vocab_size)
     batch = replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in fields(batch)
@@ -107,8 +107,8 @@ def worker(path: str, name: str, repeats: int) -> dict:
     while rows % num_mb:
         num_mb += 1
     cfg = AlgorithmConfig()
-    prepared = prepare_global_batch(batch, cfg.aggregation)
-    layouts = schedule_layouts(model, batch.split(num_mb), True)
+    prepared = prepare_global_batch(batch, cfg.aggregation, pg=pg)
+    layouts = schedule_layouts(model, batch.split(num_mb), True, pg=pg)
     out = {"samples": rows, "padded_len": seq, "micro_batches": num_mb, "device": str(device),
            "tokens": {"real": int(sum(l.tokens for l in layouts)), "padded": rows * seq,
                       "packed": int(sum(l.total for l in layouts))},
@@ -126,11 +126,11 @@ def worker(path: str, name: str, repeats: int) -> dict:
             for m in model:
                 m.zero_grad_buffer()
             t = synced()
-            forward_backward(model, prepared, num_mb, cfg, bridge.vocab_size, pack=pack)
+            forward_backward(model, prepared, num_mb, cfg, bridge.vocab_size, pack=pack, pg=pg)
             train = synced() - t
             grads[pack] = torch.cat([p.main_grad.float().flatten() for p in params])
             t = synced()
-            log_probs[pack] = compute_log_probs(model, batch, num_mb, bridge.vocab_size, pack=pack).float()
+            log_probs[pack] = compute_log_probs(model, batch, num_mb, bridge.vocab_size, pack=pack, pg=pg).float()
             forward = synced() - t
             best = times.setdefault(pack, {"train_s": train, "log_probs_s": forward})
             best["train_s"], best["log_probs_s"] = min(best["train_s"], train), min(best["log_probs_s"], forward)

@@ -15,15 +15,17 @@ def input_batches(n: int = 2, batch: int = 2, seq: int = SEQ, vocab: int = 384, 
     return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(n)]
 
 
-def build(path: str, tp=1, pp=1, vpp=None, ep=1, etp=None, load=True, explicit_groups=False, **config_overrides):
+def build(path: str, tp=1, pp=1, vpp=None, ep=1, etp=None, load=True, **config_overrides):
     """ParallelConfig's pipeline split fields (num_layers_in_first_pipeline_stage, ...) in config_overrides go to the
-    layout; the rest to the model's TransformerConfig. explicit_groups: the bridge gets megarl.parallel.groups().mcore
-    (else it falls back to megatron's parallel_state groups)."""
+    layout; the rest to the model's TransformerConfig. Returns (megatron's parallel_state module, for the tests'
+    own checks; the bridge, built on megarl.parallel.groups().mcore: bridge.pg; its chunks)."""
+    from megatron.core import parallel_state as ps
+
     split = {k: config_overrides.pop(k) for k in parallel.config.SPLIT_FIELDS if k in config_overrides}
     folder = open_model_folder(path)
-    ps = parallel.initialize(parallel.ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, **split), folder.shape())
-    bridge = ModelBridge(folder, config_overrides=config_overrides,
-                         pg=parallel.groups().mcore if explicit_groups else None)
+    groups = parallel.initialize(parallel.ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, **split),
+                                 folder.shape())
+    bridge = ModelBridge(folder, config_overrides=config_overrides, pg=groups.mcore)
     chunks = bridge.build()
     if load:
         bridge.load_hf_weights(chunks)
@@ -33,7 +35,7 @@ def build(path: str, tp=1, pp=1, vpp=None, ep=1, etp=None, load=True, explicit_g
 def logits_and_export(path: str, layout: dict) -> dict:
     """Full logits (last stage only) and the HF tensors this rank owns after loading the HF folder."""
     ps, bridge, chunks = build(path, **layout)
-    logits = forward_logits(chunks, input_batches(), vocab_size=bridge.vocab_size)
+    logits = forward_logits(chunks, input_batches(), vocab_size=bridge.vocab_size, pg=bridge.pg)
     return {"logits": logits, "weights": dict(bridge.export_hf_weights(chunks))}
 
 
@@ -54,7 +56,7 @@ def masked_vocab_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab
 def train_grads(path: str, layout: dict, micro_batches: int = 4) -> dict:
     """HF-named gradients of the mean next-token loss over `micro_batches` micro-batches of one sequence."""
     ps, bridge, chunks = build(path, **layout)
-    model = wrap_ddp(chunks)
+    model = wrap_ddp(chunks, pg=bridge.pg)
     losses = forward_backward(bridge, model, micro_batches)
     grads = dict(bridge.export_hf_weights(chunks, grads=True))
     return {"grads": grads, "losses": losses}
@@ -66,7 +68,7 @@ def optimizer_step(path: str, layout: dict) -> dict:
 
     ps, bridge, chunks = build(path, **layout)
     before = dict(bridge.export_hf_weights(chunks))
-    model = wrap_ddp(chunks, distributed_optimizer=True)
+    model = wrap_ddp(chunks, distributed_optimizer=True, pg=bridge.pg)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0, use_distributed_optimizer=True,
                         params_dtype=torch.float32), model)
@@ -119,30 +121,25 @@ def rl_grads(path: str, layout: dict, global_batch, cfg, num_microbatches: int, 
     from megarl.losses import forward_backward, prepare_global_batch, reduce_metrics
 
     ps, bridge, chunks = build(path, **layout)
-    model = wrap_ddp(chunks)
+    model = wrap_ddp(chunks, pg=bridge.pg)
     local, rows = dp_share(global_batch)
-    local = prepare_global_batch(local, cfg.aggregation, cfg.norm_length, dp_group=ps.get_data_parallel_group())
+    local = prepare_global_batch(local, cfg.aggregation, cfg.norm_length, pg=bridge.pg)
     for m in model:
         m.zero_grad_buffer()
     metrics = reduce_metrics(forward_backward(model, local, num_microbatches, cfg if objective == "rl" else None,
-                                              bridge.vocab_size, objective=objective))
+                                              bridge.vocab_size, objective=objective, pg=bridge.pg), bridge.pg)
     return {"grads": dict(bridge.export_hf_weights(chunks, grads=True)), "metrics": metrics}
 
 
-def rl_train_step(path: str, layout: dict, global_batch, cfg, num_microbatches: int,
-                  explicit_groups: bool = False) -> dict:
+def rl_train_step(path: str, layout: dict, global_batch, cfg, num_microbatches: int) -> dict:
     """One megarl.losses.train_step (DDP, SGD, grad clipping): HF weights after, metrics. (SGD keeps the layout
-    comparison tight; Adam's first step is ~lr*sign(g), which amplifies float noise in near-zero grads.)
-    explicit_groups: megatron-core's ProcessGroupCollection is passed to every megarl call, and megarl's fallback to
-    megatron's global groups (megarl.parallel.mcore_groups without a collection) raises."""
+    comparison tight; Adam's first step is ~lr*sign(g), which amplifies float noise in near-zero grads.)"""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megarl.losses import compute_log_probs, prepare_global_batch, train_step
 
-    if explicit_groups:
-        _forbid_global_groups()
-    ps, bridge, chunks = build(path, explicit_groups=explicit_groups, **layout)
-    pg = bridge.pg if explicit_groups else None
+    ps, bridge, chunks = build(path, **layout)
+    pg = bridge.pg
     model = wrap_ddp(chunks, pg=pg)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="sgd", lr=0.5, sgd_momentum=0.0, clip_grad=0.05,
@@ -150,25 +147,10 @@ def rl_train_step(path: str, layout: dict, global_batch, cfg, num_microbatches: 
     local, rows = dp_share(global_batch)
     log_probs = compute_log_probs(model, local, num_microbatches, bridge.vocab_size, temperature=cfg.temperature,
                                   pg=pg)
-    local = prepare_global_batch(local, cfg.aggregation, cfg.norm_length, dp_group=ps.get_data_parallel_group())
+    local = prepare_global_batch(local, cfg.aggregation, cfg.norm_length, pg=pg)
     metrics = train_step(model, optimizer, local, num_microbatches, cfg, bridge.vocab_size, pg=pg)
     return {"weights": dict(bridge.export_hf_weights(chunks)), "metrics": metrics, "log_probs": log_probs,
             "rows": rows}
-
-
-def _forbid_global_groups() -> None:
-    """In this rank process: megarl code that does not get a ProcessGroupCollection passed raises."""
-    import megarl.losses.rl
-    import megarl.losses.step
-
-    def explicit_only(pg=None):
-        if pg is None:
-            raise AssertionError("megarl looked up megatron's global groups although a ProcessGroupCollection was "
-                                 "passed at the boundary")
-        return pg
-
-    for module in (parallel, megarl.losses.rl, megarl.losses.step):
-        module.mcore_groups = explicit_only
 
 
 def perturb(chunks, seed: int, scale: float = 0.02) -> None:
@@ -187,7 +169,7 @@ def trainer_log_probs(bridge, chunks, sequences):
     from megarl.models import forward_logits
 
     ids = torch.tensor(sequences)
-    logits = forward_logits(chunks, [ids], vocab_size=bridge.vocab_size)
+    logits = forward_logits(chunks, [ids], vocab_size=bridge.vocab_size, pg=bridge.pg)
     mine = None if logits is None else torch.log_softmax(logits[0], -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -285,14 +267,13 @@ def dispatched_rows(samples, layout: dict, routing_shape, max_tokens: int, mini_
     from megarl.trainer.batching import BatchPlan, PackedRollout
     from megarl.trainer.dispatch import dispatch
 
-    ps = parallel.initialize(parallel.ParallelConfig(**layout))
-    groups = parallel.groups()
+    groups = parallel.initialize(parallel.ParallelConfig(**layout))
     sources = (0,) if workers == "rank0" else groups.leaders
     packed = plan = None
     rank = torch.distributed.get_rank()
     if rank in sources:
         every = PackedRollout.from_samples(samples, routing=routing_shape is not None)
-        plan = BatchPlan.make(every.seq_lens, every.group, groups.dp_size, ps.get_tensor_model_parallel_world_size(),
+        plan = BatchPlan.make(every.seq_lens, every.group, groups.dp_size, groups.mcore.tp.size(),
                               max_tokens, row_multiple=mini_batches)
         mine = [i for i, s in enumerate(samples) if s.group % len(sources) == sources.index(rank)]
         packed = PackedRollout.from_samples([samples[i] for i in mine], routing=routing_shape is not None,
@@ -390,7 +371,7 @@ def routing_with_engine(path, url, layout, seed):
     for name, replayed in (("own", None), ("replay", engine_routing)):
         batch.routed_experts = replayed
         routing = RoutingStats(chunks)
-        log_probs = compute_log_probs(chunks, batch, 1, bridge.vocab_size, pack=False)
+        log_probs = compute_log_probs(chunks, batch, 1, bridge.vocab_size, pack=False, pg=bridge.pg)
         routing.close()
         agreement = routing.agreement(engine_routing, positions, 1)
         dist.all_reduce(agreement)

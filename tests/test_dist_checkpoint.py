@@ -12,12 +12,12 @@ def _save_then_load(path, ckpt, save_layout, load_layout):
     save_model_checkpoint(chunks, ckpt)
     # Reference at the load layout: the same weights straight from the HF folder.
     _, bridge, direct = ranks.build(path, **load_layout)
-    expected = forward_logits(direct, ranks.input_batches(), vocab_size=bridge.vocab_size)
+    expected = forward_logits(direct, ranks.input_batches(), vocab_size=bridge.vocab_size, pg=bridge.pg)
     torch.manual_seed(999)  # a different random init: the load must overwrite every weight
     _, bridge, chunks = ranks.build(path, load=False, **load_layout)
-    before = forward_logits(chunks, ranks.input_batches(), vocab_size=bridge.vocab_size)
+    before = forward_logits(chunks, ranks.input_batches(), vocab_size=bridge.vocab_size, pg=bridge.pg)
     load_model_checkpoint(chunks, ckpt)
-    after = forward_logits(chunks, ranks.input_batches(), vocab_size=bridge.vocab_size)
+    after = forward_logits(chunks, ranks.input_batches(), vocab_size=bridge.vocab_size, pg=bridge.pg)
     return {"expected": expected, "before": before, "after": after,
             "weights": dict(bridge.export_hf_weights(chunks))}
 

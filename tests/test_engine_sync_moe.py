@@ -199,7 +199,7 @@ def test_moe_family_in_the_engine_computes_transformers_model_syncs_and_routes_l
     with e_score_correction bias, group-limited routing; GLM-4.5: partial rotary, QK norm, shared experts, sigmoid
     router with bias; Mixtral; Qwen2-MoE: gated shared expert):
     1. its prompt log-probs equal transformers' (for DeepSeek-V3 only with megarl's torch_native MLA patch,
-       megarl/platform/sglang_cpu/sitecustomize.py; without it they differ by up to 2 nats);
+       megarl/compat/sglang_cpu/sitecustomize.py; without it they differ by up to 2 nats);
     2. an EP 2 (DeepSeek-V3, GLM: TP 2 x EP 2) sync from a perturbed trainer (router and its bias included) is
        verified (checksums of every engine tensor, probes);
     3. on the engine's samples, the trainer's own routing agrees with the routing the engine returns (a wrong

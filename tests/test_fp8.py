@@ -103,7 +103,7 @@ def test_fp8_weights_are_dequantised_blockwise(folders):
 
 def _load_export_and_save(path: str, layout: dict, out: str) -> dict:
     ps, bridge, chunks = ranks.build(path, **layout)
-    logits = ranks.forward_logits(chunks, ranks.input_batches(), vocab_size=bridge.vocab_size)
+    logits = ranks.forward_logits(chunks, ranks.input_batches(), vocab_size=bridge.vocab_size, pg=bridge.pg)
     weights = dict(bridge.export_hf_weights(chunks))
     bridge.save_hf(chunks, out)
     return {"logits": logits, "weights": weights}

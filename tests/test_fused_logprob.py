@@ -151,16 +151,17 @@ def _fused_vs_unfused(path, layout, batch, cfg, num_microbatches):
     fused_linear.fused_logprob_entropy = lambda hidden, *a, **k: calls.append(hidden.shape[-1]) or original(hidden, *a,
                                                                                                               **k)
     ps, bridge, chunks = ranks.build(path, **layout)
-    model = wrap_ddp(chunks)
-    local = prepare_global_batch(batch, cfg.aggregation, cfg.norm_length, dp_group=ps.get_data_parallel_group())
+    model = wrap_ddp(chunks, pg=bridge.pg)
+    local = prepare_global_batch(batch, cfg.aggregation, cfg.norm_length, pg=bridge.pg)
     out = {}
     for fused in (False, True):
         for m in model:
             m.zero_grad_buffer()
         metrics = reduce_metrics(forward_backward(model, local, num_microbatches,
-                                                  dataclasses.replace(cfg, fused_logprobs=fused), bridge.vocab_size))
+                                                  dataclasses.replace(cfg, fused_logprobs=fused), bridge.vocab_size,
+                                                  pg=bridge.pg), bridge.pg)
         log_probs = compute_log_probs(model, batch, num_microbatches, bridge.vocab_size, temperature=cfg.temperature,
-                                      entropy=True, fused=fused)
+                                      entropy=True, fused=fused, pg=bridge.pg)
         out[fused] = {"metrics": metrics, "grads": dict(bridge.export_hf_weights(chunks, grads=True)),
                       "log_probs": log_probs, "fused_calls": calls[:]}
         calls.clear()

@@ -148,7 +148,7 @@ def _train_step_on_bare_chunks(path: str) -> str:
     batch = prepare_global_batch(TokenBatch(ids, ids.roll(-1, 1), torch.ones(2, 6), advantages=torch.ones(2, 6),
                                             old_log_probs=torch.zeros(2, 6)))
     try:
-        train_step(chunks, None, batch, 1, AlgorithmConfig(), bridge.vocab_size)
+        train_step(chunks, None, batch, 1, AlgorithmConfig(), bridge.vocab_size, pg=bridge.pg)
     except ValueError as error:
         return str(error)
     return "no error"

@@ -128,7 +128,7 @@ def _tied_then_untied(tied_path, untied_path):
     for path in (tied_path, untied_path):
         _, bridge, chunks = ranks.build(path)
         names[path] = sorted(name for name, _ in bridge.export_hf_weights(chunks))
-        ModelBridge(path)  # a second bridge in the same process
+        ModelBridge(path, pg=bridge.pg)  # a second bridge in the same process
     return names
 
 

@@ -136,29 +136,28 @@ def _packed_vs_padded(path, layout, batch, sft, cfgs, num_microbatches):
     from megarl.losses.step import schedule_layouts
 
     ps, bridge, chunks = ranks.build(path, **layout)
-    model = ranks.wrap_ddp(chunks)
+    model, pg = ranks.wrap_ddp(chunks, pg=bridge.pg), bridge.pg
     local, rows = ranks.dp_share(batch)
-    dp = ps.get_data_parallel_group()
 
     def grads_of(prepared, cfg, objective, pack):
         for m in model:
             m.zero_grad_buffer()
         metrics = reduce_metrics(forward_backward(model, prepared, num_microbatches, cfg, bridge.vocab_size,
-                                                  objective, pack=pack))
+                                                  objective, pack=pack, pg=pg), pg)
         return {"grads": dict(bridge.export_hf_weights(chunks, grads=True)), "metrics": metrics}
 
     out = {"shapes": [(l.rows, l.out_rows, l.tokens, l.length)
-                      for l in schedule_layouts(model, local.split(num_microbatches), True)]}
+                      for l in schedule_layouts(model, local.split(num_microbatches), True, pg=pg)]}
     if ps.get_tensor_model_parallel_world_size() == ps.get_pipeline_model_parallel_world_size() == 1:
         out["one_row"] = _one_row_logits_diff(chunks[0], local, bridge.vocab_size)
     for pack in (False, True):
-        res = {"rl": [grads_of(prepare_global_batch(local, c.aggregation, dp_group=dp), c, "rl", pack)
+        res = {"rl": [grads_of(prepare_global_batch(local, c.aggregation, pg=pg), c, "rl", pack)
                       for c in cfgs],
                "log_probs": compute_log_probs(model, local, num_microbatches, bridge.vocab_size,
-                                              temperature=TEMPERATURE, entropy=True, pack=pack), "rows": rows}
+                                              temperature=TEMPERATURE, entropy=True, pack=pack, pg=pg), "rows": rows}
         for name, b in zip(("sft_alone", "sft_rows"), sft):
             mine, _ = ranks.dp_share(b)
-            res[name] = grads_of(prepare_global_batch(mine, "token-mean", dp_group=dp), None, "sft", pack)
+            res[name] = grads_of(prepare_global_batch(mine, "token-mean", pg=pg), None, "sft", pack)
         out[pack] = res
     return out
 
@@ -245,20 +244,19 @@ def _moe_packed_vs_padded(path, batch, routed):
     from megarl.models.moe import RoutingStats
 
     ps, bridge, chunks = ranks.build(path, moe_enable_routing_replay=True, moe_aux_loss_coeff=0.0)
-    model = ranks.wrap_ddp(chunks)
+    model, pg = ranks.wrap_ddp(chunks, pg=bridge.pg), bridge.pg
     cfg = _config()
     out = {}
     for pack in (False, True):
         stats = RoutingStats(chunks)
-        compute_log_probs(model, batch, 2, bridge.vocab_size, pack=pack)
+        compute_log_probs(model, batch, 2, bridge.vocab_size, pack=pack, pg=pg)
         stats.close()
-        layouts = schedule_layouts(model, batch.split(2), pack)
+        layouts = schedule_layouts(model, batch.split(2), pack, pg=pg)
         agreement = stats.agreement(routed, batch.loss_mask, 2, layouts)
-        prepared = prepare_global_batch(replace(batch, routed_experts=routed), cfg.aggregation,
-                                        dp_group=ps.get_data_parallel_group())
+        prepared = prepare_global_batch(replace(batch, routed_experts=routed), cfg.aggregation, pg=pg)
         for m in model:
             m.zero_grad_buffer()
-        metrics = reduce_metrics(forward_backward(model, prepared, 2, cfg, bridge.vocab_size, pack=pack))
+        metrics = reduce_metrics(forward_backward(model, prepared, 2, cfg, bridge.vocab_size, pack=pack, pg=pg), pg)
         out[pack] = {"grads": dict(bridge.export_hf_weights(chunks, grads=True)), "metrics": metrics,
                      "agreement": agreement}
     return out
@@ -298,10 +296,11 @@ def _critic_packed_vs_padded(path, layout, batch):
     cfg = AlgorithmConfig(value_clip=0.2)
     out = {}
     for pack in (False, True):
-        values = compute_values(critic.model, batch, 2, pack=pack)
+        values = compute_values(critic.model, batch, 2, pack=pack, pg=bridge.pg)
         for m in critic.model:
             m.zero_grad_buffer()
-        forward_backward(critic.model, prepare_global_batch(batch), 2, cfg, 1, objective="value", pack=pack)
+        forward_backward(critic.model, prepare_global_batch(batch, seq_multiple=bridge.pg.tp.size()), 2, cfg, 1,
+                         objective="value", pack=pack, pg=bridge.pg)
         grads = {name: p.main_grad.clone() for chunk in critic.chunks for name, p in chunk.named_parameters()}
         out[pack] = {"values": values, "grads": grads}
     return out

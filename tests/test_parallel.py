@@ -74,10 +74,9 @@ def test_env_errors_name_the_variable():
 def _groups(config):
     import torch.distributed as dist
 
-    ps = parallel.initialize(config)
+    pg = parallel.initialize(config).mcore
     ranks = lambda group: dist.get_process_group_ranks(group)  # noqa: E731
-    return {"tp": ranks(ps.get_tensor_model_parallel_group()), "pp": ranks(ps.get_pipeline_model_parallel_group()),
-            "dp": ranks(ps.get_data_parallel_group()), "ep": ranks(ps.get_expert_model_parallel_group()),
+    return {"tp": ranks(pg.tp), "pp": ranks(pg.pp), "dp": ranks(pg.dp), "ep": ranks(pg.ep),
             "backend": dist.get_backend()}
 
 

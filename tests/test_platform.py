@@ -25,7 +25,7 @@ def test_version_mismatch_stops_with_the_fix(installed, needle):
 
 
 def _setup_as_if_on_gpu():
-    from megarl.platform import cpu_shims
+    from megarl.compat import megatron as cpu_shims
 
     for name in cpu_shims.applied():
         cpu_shims.revert(name)

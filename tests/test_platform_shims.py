@@ -9,13 +9,13 @@ import torch
 import ranks
 from megarl import platform
 from megarl.models import forward_logits, save_model_checkpoint
-from megarl.platform import cpu_shims
+from megarl.compat import megatron as cpu_shims
 from megarl.testing import RankFailure, run_ranks, tiny_model_dir
 
 
 def forward(path, layout, _tmp):
     _, bridge, chunks = ranks.build(path, **layout)
-    return forward_logits(chunks, ranks.input_batches(n=1), vocab_size=bridge.vocab_size)
+    return forward_logits(chunks, ranks.input_batches(n=1), vocab_size=bridge.vocab_size, pg=bridge.pg)
 
 
 def train(path, layout, _tmp):

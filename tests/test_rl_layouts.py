@@ -115,17 +115,17 @@ def _rl_grads_per_config(path, layout, global_batch, cfgs, num_microbatches):
     from megarl.losses import forward_backward, prepare_global_batch, reduce_metrics
 
     ps, bridge, chunks = ranks.build(path, **layout)
-    model = ranks.wrap_ddp(chunks)
+    model = ranks.wrap_ddp(chunks, pg=bridge.pg)
     local, _ = ranks.dp_share(global_batch)
     out = []
     for cfg in cfgs:
         for phase in loss_phases(local, cfg, entropy=-local.old_log_probs, group=ps.get_data_parallel_group(),
                                  seed=5):
-            batch = prepare_global_batch(phase, cfg.aggregation, cfg.norm_length,
-                                         dp_group=ps.get_data_parallel_group())
+            batch = prepare_global_batch(phase, cfg.aggregation, cfg.norm_length, pg=bridge.pg)
             for m in model:
                 m.zero_grad_buffer()
-            metrics = reduce_metrics(forward_backward(model, batch, num_microbatches, cfg, bridge.vocab_size))
+            metrics = reduce_metrics(forward_backward(model, batch, num_microbatches, cfg, bridge.vocab_size,
+                                                      pg=bridge.pg), bridge.pg)
             out.append({"grads": dict(bridge.export_hf_weights(chunks, grads=True)), "metrics": metrics})
     # Update sparsity's count (megarl.algorithms.dynamics): a layout-free "update" that doubles the positive elements
     tracker = UpdateSparsity(chunks, bridge.pg, bridge.vocab_size).snapshot()

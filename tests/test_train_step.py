@@ -47,13 +47,12 @@ def test_log_probs_match_transformers():
 
 
 @pytest.mark.parametrize("name,layout,world,micro", [("tp2", {"tp": 2}, 2, 1), ("dp2", {}, 2, 1),
-                                                      ("pp2", {"pp": 2}, 2, 4), ("pp2-explicit", {"pp": 2}, 2, 4)])
+                                                      ("pp2", {"pp": 2}, 2, 4)])
 def test_step_is_layout_invariant(name, layout, world, micro):
-    """pp2-explicit: megatron-core's ProcessGroupCollection passed at every boundary (bridge, DDP, schedule, loss,
-    metrics, log-probs), with megarl's fallback to megatron's global groups made to raise: the same result."""
+    """megatron-core's ProcessGroupCollection is passed at every boundary (bridge, DDP, schedule, loss, metrics,
+    log-probs): megarl takes no groups from megatron's global state."""
     ref = _reference()
-    results = run_ranks(world, ranks.rl_train_step, tiny_model_dir("llama"), layout, _batch(), CFG, micro,
-                        name.endswith("explicit"))
+    results = run_ranks(world, ranks.rl_train_step, tiny_model_dir("llama"), layout, _batch(), CFG, micro)
     weights = {}
     for r in results:
         weights.update(r["weights"])

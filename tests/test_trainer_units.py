@@ -86,8 +86,8 @@ def _checkpoint_flow(ckpt_root):
     from megarl.trainer.setup import make_optimizer, wrap_ddp
 
     _, bridge, chunks = ranks.build(tiny_model_dir("qwen2"))
-    model = wrap_ddp(chunks)
-    opt, sched = make_optimizer(model, 1e-3, 0.0, 0, "constant", 10)
+    model = wrap_ddp(chunks, pg=bridge.pg)
+    opt, sched = make_optimizer(model, 1e-3, 0.0, 0, "constant", 10, pg=bridge.pg)
     opt.zero_grad()
     ranks.forward_backward(bridge, model, micro_batches=1)
     opt.step()  # Adam state exists, as in any real checkpoint
@@ -192,12 +192,12 @@ def _critic_values(path, layout, head, steps):
     mask = torch.zeros(4, 12)
     mask[:, 5:11] = 1
     batch = TokenBatch(input_ids=ids, targets=torch.roll(ids, -1, 1), loss_mask=mask)
-    values = compute_values(critic.model, batch, 2)
+    values = compute_values(critic.model, batch, 2, pg=bridge.pg)
     batch.old_values = values.detach().clone() if values is not None else torch.zeros_like(mask)
     batch.returns = torch.linspace(-1, 1, 12).expand(4, 12) * mask
-    batch = prepare_global_batch(batch)
+    batch = prepare_global_batch(batch, seq_multiple=bridge.pg.tp.size())
     losses = [train_step(critic.model, critic.optimizer, batch, 2, AlgorithmConfig(value_clip=None), 1,
-                         objective="value")["value_loss"] for _ in range(steps)]
+                         objective="value", pg=bridge.pg)["value_loss"] for _ in range(steps)]
     return {"values": values, "losses": losses}
 
 

@@ -28,11 +28,11 @@ def smoke(args) -> int:
         write_tiny_model(model_path, args.family)
     dist.barrier()
     folder = open_model_folder(model_path)
-    parallel.initialize(layout, folder.shape())  # validates the layout against the model's shapes
+    groups = parallel.initialize(layout, folder.shape())  # validates the layout against the model's shapes
     timings["setup_s"] = time.perf_counter() - start
 
     t = time.perf_counter()
-    bridge = ModelBridge(folder)
+    bridge = ModelBridge(folder, pg=groups.mcore)
     chunks = bridge.build()
     bridge.load_hf_weights(chunks)
     timings["build_and_load_s"] = time.perf_counter() - t
@@ -40,7 +40,7 @@ def smoke(args) -> int:
     generator = torch.Generator().manual_seed(0)
     batch = torch.randint(0, bridge.vocab_size, (2, 32), generator=generator)
     t = time.perf_counter()
-    logits = forward_logits(chunks, [batch], vocab_size=bridge.vocab_size)
+    logits = forward_logits(chunks, [batch], vocab_size=bridge.vocab_size, pg=bridge.pg)
     timings["forward_s"] = time.perf_counter() - t
     export_dir = os.path.join(args.out, "exported-hf")
     t = time.perf_counter()

@@ -4,7 +4,7 @@
     print(format_topology(topo, verbose=False))
 
 Pure functions: nothing here starts torch.distributed, opens weights or talks to the network. The rank groups come
-from megatron-core's own `parallel_state.RankGenerator`, built exactly as `initialize_model_parallel` builds them (a
+from megatron-core's own `RankGenerator`, built exactly as `initialize_model_parallel` builds them (a
 decoder generator for the dense groups, an expert generator for ep/etp/expert-dp, order tp-cp-ep-dp-pp), so the
 printed groups are the ones the job creates; tests/test_topology.py checks them against initialize_model_parallel
 itself, run with a fake world.
@@ -142,17 +142,14 @@ class Topology:
 def rank_groups(parallel: ParallelConfig, world_size: int) -> dict[str, list[list[int]]]:
     """Every group kind's global rank lists, from megatron-core's RankGenerator, built as initialize_model_parallel
     (megatron-core 0.19.2) builds them: the same sizes, orders and get_ranks tokens."""
-    from megatron.core import parallel_state as ps
+    from ..compat.megatron import rank_generator
 
     parallel.validate(world_size, on_gpu=True)
     tp, pp, cp, ep, etp = parallel.tp, parallel.pp, parallel.cp, parallel.ep, parallel.expert_tp
     # initialize_model_parallel inserts a size-1 'gtp_remat' axis after tp (decoder) and after ep (expert); a size-1
-    # axis changes no group, but using its helper keeps the orders literally the same.
-    inject = getattr(ps, "_inject_gtp_remat_axis", None)
-    decoder = ps.RankGenerator(tp=tp, ep=1, dp=world_size // (tp * pp * cp), pp=pp, cp=cp,
-                               order=inject(ORDER, after="tp") if inject else ORDER)
-    expert = ps.RankGenerator(tp=etp, ep=ep, dp=world_size // (etp * ep * pp), pp=pp, cp=1,
-                              order=inject(ORDER, after="ep") if inject else ORDER)
+    # axis changes no group, but rank_generator uses its helper, so the orders are literally the same.
+    decoder = rank_generator(tp=tp, ep=1, dp=world_size // (tp * pp * cp), pp=pp, cp=cp, order=ORDER, after="tp")
+    expert = rank_generator(tp=etp, ep=ep, dp=world_size // (etp * ep * pp), pp=pp, cp=1, order=ORDER, after="ep")
     generators = {"decoder": decoder, "expert": expert}
     groups = {}
     for kind in GROUP_KINDS:
@@ -474,7 +471,7 @@ def format_topology(topo: Topology, verbose: bool = False) -> str:
         lines.append(f"memory    not estimated: the model shape has no {', '.join(topo.memory_missing)} (add them to "
                      "model.shape from the model's config.json)")
     lines.append("")
-    lines.append("rank groups (megatron.core.parallel_state.RankGenerator, as initialize_model_parallel builds them)"
+    lines.append("rank groups (megatron-core's RankGenerator, as initialize_model_parallel builds them)"
                  + ("" if verbose else "; first 2 of each kind, --verbose lists all"))
     for kind in GROUP_KINDS:
         groups = topo.groups[kind.name]

@@ -1,6 +1,7 @@
 """RL and SFT objectives as Megatron pipeline-aware loss functions, and the step that runs them.
 
-    loss_func = make_loss_func(micro_batch, algorithm_config, num_microbatches=n, vocab_size=V)
+    pg = megarl.parallel.groups().mcore        # or megarl.parallel.user_groups() in your own Megatron loop
+    loss_func = make_loss_func(micro_batch, algorithm_config, num_microbatches=n, vocab_size=V, pg=pg)
     # return (logits, loss_func) from your forward_step_func; see docs/losses.md
 """
 from .rl import (OBJECTIVES, TokenBatch, make_loss_func, place_response_values, prepare_global_batch,

@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from ..algorithms import (AlgorithmConfig, POLICY_LOSSES, global_counts, kl_estimate, loss_weights, mismatch_weights,
                           topk_kl, value_loss)
-from ..parallel import mcore_groups
 from .fused_linear import logprob_entropy
 
 
@@ -123,23 +122,21 @@ def place_response_values(values: list[list[float]], prompt_lengths: list[int], 
 
 
 def prepare_global_batch(batch: TokenBatch, aggregation: str = "token-mean", norm_length: int | None = None,
-                         dp_group=None, seq_multiple: int | None = None) -> TokenBatch:
+                         dp_group=None, seq_multiple: int | None = None, *, pg=None) -> TokenBatch:
     """Set loss_weight for this data-parallel rank's share of the global batch (whole sequences, before micro-batch
-    and context-parallel splits), and right-pad the sequence to a multiple of `seq_multiple` (default: the tensor
-    parallel size of megatron's parallel_state, which sequence parallelism needs; see TokenBatch.pad_to_multiple).
-    Global counts are summed over dp_group."""
+    and context-parallel splits), and right-pad the sequence to a multiple of `seq_multiple` (which sequence
+    parallelism needs; see TokenBatch.pad_to_multiple). Global counts are summed over dp_group.
+
+    pg: megatron-core's ProcessGroupCollection of the model: dp_group defaults to pg.dp and seq_multiple to the TP
+    size pg.tp.size(). Without pg (and without dp_group / seq_multiple) the batch is the whole global batch and is
+    not padded: pass pg in a distributed run."""
+    if dp_group is None and pg is not None:
+        dp_group = pg.dp
     if seq_multiple is None:
-        seq_multiple = _tp_size()
+        seq_multiple = pg.tp.size() if pg is not None else 1
     batch = batch.pad_to_multiple(seq_multiple)
     num_tokens, num_seqs = global_counts(batch.loss_mask, dp_group)
     return replace(batch, loss_weight=loss_weights(batch.loss_mask, aggregation, num_tokens, num_seqs, norm_length))
-
-
-def _tp_size() -> int:
-    """The tensor-parallel size of megatron's parallel_state, 1 before it is initialised."""
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
 
 
 # ------------------------------------------------------------------------------------------------------ objectives
@@ -287,12 +284,12 @@ def values_from_head(output: torch.Tensor) -> torch.Tensor:
     return output[..., 0].float()
 
 
-def make_value_loss_func(batch: TokenBatch, cfg: AlgorithmConfig, *, num_microbatches: int, dp_size: int | None = None,
-                         pg=None):
-    """The critic's loss_func for one micro-batch (same scaling as make_loss_func)."""
+def make_value_loss_func(batch: TokenBatch, cfg: AlgorithmConfig, *, num_microbatches: int, pg,
+                         dp_size: int | None = None):
+    """The critic's loss_func for one micro-batch (same scaling as make_loss_func; pg as there)."""
     if batch.loss_weight is None:
         raise ValueError("batch.loss_weight is not set: call prepare_global_batch() on the global batch first")
-    dp_size = dp_size if dp_size is not None else mcore_groups(pg).dp.size()
+    dp_size = dp_size if dp_size is not None else pg.dp.size()
 
     def loss_func(output: torch.Tensor):
         loss, metrics = value_objective(values_from_head(output), batch, cfg)
@@ -303,20 +300,20 @@ def make_value_loss_func(batch: TokenBatch, cfg: AlgorithmConfig, *, num_microba
 
 
 # ---------------------------------------------------------------------------------------------- Megatron adapter
-def make_loss_func(batch: TokenBatch, cfg: AlgorithmConfig | None, *, num_microbatches: int, vocab_size: int,
+def make_loss_func(batch: TokenBatch, cfg: AlgorithmConfig | None, *, num_microbatches: int, vocab_size: int, pg,
                    objective: str = "rl", temperature: float | None = None, tp_group=None, cp_group=None,
-                   dp_size: int | None = None, model_config=None, packing=None, pg=None):
+                   dp_size: int | None = None, model_config=None, packing=None):
     """The loss_func a forward_step_func returns to Megatron's schedule, for one micro-batch.
 
-    Groups and the DP size come from pg, megatron-core's ProcessGroupCollection (megarl.parallel.groups().mcore;
-    None: megatron's parallel_state groups), unless given one by one. Returns loss_func(output) -> (scaled loss,
-    metrics), output being the last pipeline stage's: this TP rank's logits [b, s, vocab/tp], or the final hidden
-    states + output weight (a HeadInput, megarl.losses.fused_linear) when run with the fused output layer.
+    Groups and the DP size come from pg, megatron-core's ProcessGroupCollection (megarl.parallel.groups().mcore, or
+    megarl.parallel.user_groups() in your own Megatron loop), unless overridden one by one. Returns
+    loss_func(output) -> (scaled loss, metrics), output being the last pipeline stage's: this TP rank's logits
+    [b, s, vocab/tp], or the final hidden states + output weight (a HeadInput, megarl.losses.fused_linear) when run
+    with the fused output layer.
     packing: the micro-batch's megarl.models.forward.PackedLayout when the model ran on its rows packed into one
     (algorithm.pack_sequences): the output is then [1, total, ...]; log-probs and entropy are computed there and
     unpacked to [b, s] before the objective, which sees exactly what the padded forward gives.
     """
-    pg = mcore_groups(pg)
     if model_config is not None and getattr(model_config, "calculate_per_token_loss", False):
         raise ValueError("megarl's loss functions normalise by global counts themselves; set "
                          "TransformerConfig.calculate_per_token_loss=False")
@@ -373,14 +370,13 @@ def histogram_quantile(hist: torch.Tensor, q: float) -> torch.Tensor:
     return sums[index] / counts[index]
 
 
-def reduce_metrics(per_microbatch: list[dict] | None, pg=None) -> dict[str, float]:
+def reduce_metrics(per_microbatch: list[dict] | None, pg) -> dict[str, float]:
     """Global metrics from the loss functions' outputs (a collective over all ranks; call it on every rank).
 
     Means are sums over micro-batches, DP and CP ranks divided by the global token count; maxima and ratio
     percentiles are global too. Only the last pipeline stage computed them: the result is shared with every stage.
-    pg: megatron-core's ProcessGroupCollection (None: megatron's parallel_state groups).
+    pg: megatron-core's ProcessGroupCollection.
     """
-    pg = mcore_groups(pg)
     holder = None
     if per_microbatch:
         dp_cp = pg.dp_cp

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import platform
-from ..parallel import last_pipeline_stage, mcore_groups
+from ..parallel import last_pipeline_stage
 from ..algorithms import AlgorithmConfig
 from ..models.forward import causal_inputs, packed_layouts
 from ..models.moe import replay_routing
@@ -14,7 +14,7 @@ from .rl import TokenBatch, make_loss_func, make_value_loss_func, reduce_metrics
 
 
 def run_schedule(model, micro_batches: list[TokenBatch], loss_func_for, forward_only: bool = False,
-                 fused_head: bool = False, pack: bool | None = False, pg=None):
+                 fused_head: bool = False, pack: bool | None = False, *, pg):
     """get_forward_backward_func() over the micro-batches; loss_func_for(batch, packing) gives each one's loss_func.
 
     model: one (DDP-wrapped) GPTModel or the list of its virtual-pipeline chunks. fused_head: the last stage skips its
@@ -28,18 +28,17 @@ def run_schedule(model, micro_batches: list[TokenBatch], loss_func_for, forward_
     and positions, the MoE routing to replay packed the same way), and loss_func_for gets the [b, s] micro-batch with
     its PackedLayout, whose unpack() puts the per-token outputs back on [b, s] before any objective runs.
 
-    pg: megatron-core's ProcessGroupCollection (megarl.parallel.groups().mcore), passed to the schedule with a
-    P2PCommunicator on its pipeline group; None: megatron's parallel_state groups (megarl.parallel.mcore_groups)."""
+    pg: megatron-core's ProcessGroupCollection (megarl.parallel.groups().mcore, or megarl.parallel.user_groups() in
+    your own Megatron loop), passed to the schedule with a P2PCommunicator on its pipeline group."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
     model = as_chunks(model)
-    pg = mcore_groups(pg)
     thd = _thd()
     # TransformerEngine's attention takes no per-sample mask, only THD boundaries: rows that hold several samples
     # (segment_ids, SFT's sft.pack) always run packed there.
     pack = pack or (thd and any(b.segment_ids is not None for b in micro_batches))
-    layouts = schedule_layouts(model, micro_batches, pack, pg)  # pack None: packed unless context parallelism is on
+    layouts = schedule_layouts(model, micro_batches, pack, pg=pg)  # pack None: packed unless context parallelism is on
     if layouts and layouts[0] is not None:
         seq_length = max(layout.length for layout in layouts)
         micro_batch_size = max(layout.out_rows for layout in layouts)
@@ -73,7 +72,7 @@ def run_schedule(model, micro_batches: list[TokenBatch], loss_func_for, forward_
                     forward_only=forward_only, **groups)
 
 
-def schedule_layouts(model, micro_batches: list[TokenBatch], pack: bool | None, pg=None) -> list:
+def schedule_layouts(model, micro_batches: list[TokenBatch], pack: bool | None, *, pg) -> list:
     """The PackedLayout run_schedule gives each micro-batch (None each when pack is off), packed lengths a multiple of
     the TP size under sequence parallelism. For code that must read per-token results of the forward in packed order
     (e.g. megarl.models.moe.RoutingStats).
@@ -84,8 +83,7 @@ def schedule_layouts(model, micro_batches: list[TokenBatch], pack: bool | None, 
     benchmarks/packing.py). There the rows go into packed rows of at most the padded length instead: attention never
     costs more than padded, and the other layers compute only about the real tokens. With pipeline stages every
     micro-batch of the call gets one packed shape (the p2p activation shape is fixed); without, each keeps its own
-    (megatron-core's no-pipelining schedule does not use seq_length / micro_batch_size)."""
-    pg = mcore_groups(pg)
+    (megatron-core's no-pipelining schedule does not use seq_length / micro_batch_size). pg: as in run_schedule."""
     if pack is None:  # algorithm.pack_sequences unset: packed unless context parallelism is on
         pack = pg.cp.size() == 1
     if not pack:
@@ -125,13 +123,12 @@ def _on_rows(loss_func, packing):
 
 
 def forward_backward(model, global_batch: TokenBatch, num_microbatches: int, cfg, vocab_size: int,
-                     objective: str = "rl", pack: bool | None = None, pg=None) -> list:
+                     objective: str = "rl", pack: bool | None = None, *, pg) -> list:
     """Accumulate gradients of this rank's share of a prepared global batch; returns the loss functions' metrics.
     Log-probs come from the fused output layer unless cfg.fused_logprobs is false (SFT, cfg None: fused). pack:
     packed forward (run_schedule); None: cfg.pack_sequences (cfg None: AlgorithmConfig's default). pg: megatron-core's
     ProcessGroupCollection (as in run_schedule)."""
     model = as_chunks(model)
-    pg = mcore_groups(pg)
     micro_batches = global_batch.split(num_microbatches)
     config = _unwrap(model[0]).config
     pack = _resolve_pack(pack, cfg)
@@ -145,7 +142,7 @@ def forward_backward(model, global_batch: TokenBatch, num_microbatches: int, cfg
 
 
 def train_step(model, optimizer, global_batch: TokenBatch, num_microbatches: int, cfg, vocab_size: int,
-               objective: str = "rl", pack: bool | None = None, pg=None) -> dict:
+               objective: str = "rl", pack: bool | None = None, *, pg) -> dict:
     """zero grads -> forward/backward over the micro-batches -> optimizer step; globally reduced metrics.
 
     model: the Megatron-DDP-wrapped model (one module or its virtual-pipeline chunks) whose config has
@@ -153,12 +150,11 @@ def train_step(model, optimizer, global_batch: TokenBatch, num_microbatches: int
     over DP and all-reduces the sequence-parallel (norm) gradients over TP. global_batch: prepared by
     prepare_global_batch(). cfg: the AlgorithmConfig (None for objective="sft"). pack, pg: as in forward_backward."""
     model = as_chunks(model)
-    pg = mcore_groups(pg)
     _check_finalize(model)
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    per_microbatch = forward_backward(model, global_batch, num_microbatches, cfg, vocab_size, objective, pack, pg)
+    per_microbatch = forward_backward(model, global_batch, num_microbatches, cfg, vocab_size, objective, pack, pg=pg)
     updated, grad_norm, _ = optimizer.step()
     metrics = reduce_metrics(per_microbatch, pg)
     metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
@@ -168,13 +164,12 @@ def train_step(model, optimizer, global_batch: TokenBatch, num_microbatches: int
 
 @torch.no_grad()
 def forward_only(model, global_batch: TokenBatch, num_microbatches: int, per_token, fused_head: bool = False,
-                 pack: bool | None = False, pg=None):
+                 pack: bool | None = False, *, pg):
     """per_token(model_output, micro_batch) -> [b, s] for every micro-batch through the forward-only schedule,
     concatenated and masked by loss_mask, with the batch's own sequence length s (padding run_schedule added is cut
     off again); on the last pipeline stage (None elsewhere). fused_head: as in run_schedule. pack: packed forward
     (run_schedule); per_token then gets the packed micro-batch (input_ids, targets, loss_mask as [1, total]) and its
     result is unpacked to [b, s]. pg: as in run_schedule."""
-    pg = mcore_groups(pg)
 
     def loss_func_for(batch, packing):
         def loss_func(output):
@@ -195,23 +190,21 @@ def forward_only(model, global_batch: TokenBatch, num_microbatches: int, per_tok
     return torch.cat([o["values"][:, :global_batch.input_ids.shape[1]] for o in outputs])
 
 
-def holds_results(pg=None) -> bool:
+def holds_results(pg) -> bool:
     """True on the ranks whose forward-only results count once: the last pipeline stage's TP rank 0 (the other TP
-    ranks hold copies, the other stages nothing)."""
-    pg = mcore_groups(pg)
+    ranks hold copies, the other stages nothing). pg: megatron-core's ProcessGroupCollection."""
     return last_pipeline_stage(pg) and pg.tp.rank() == 0
 
 
 def compute_log_probs(model, global_batch: TokenBatch, num_microbatches: int, vocab_size: int,
                       temperature: float = 1.0, entropy: bool = False, fused: bool = True, pack: bool | None = None,
-                      pg=None):
+                      *, pg):
     """Log-probs [b, s] of the batch's targets under `model` (old or reference policy; one module or its chunks), on
     the last pipeline stage (None elsewhere; every TP rank there holds the same values); positions outside
     loss_mask are 0. Needs only input_ids, targets, loss_mask (and segment_ids when packed). entropy=True:
     (log-probs, entropies of the predicted distribution) from the same forward. fused: compute them from the final
     hidden states and the output weight without materialising the logits (algorithm.fused_logprobs). pack: packed
     forward (algorithm.pack_sequences; None: its default). pg: as in run_schedule."""
-    pg = mcore_groups(pg)
 
     def log_probs(output, batch):
         log_prob, ent = logprob_entropy(output, batch.targets, vocab_size=vocab_size, temperature=temperature,
@@ -223,8 +216,8 @@ def compute_log_probs(model, global_batch: TokenBatch, num_microbatches: int, vo
     return tuple(out.unbind(-1)) if entropy and out is not None else out
 
 
-def compute_values(model, global_batch: TokenBatch, num_microbatches: int, pack: bool | None = None, pg=None):
-    """The critic's values [b, s] on the last pipeline stage (None elsewhere); 0 outside loss_mask. pack: as in
+def compute_values(model, global_batch: TokenBatch, num_microbatches: int, pack: bool | None = None, *, pg):
+    """The critic's values [b, s] on the last pipeline stage (None elsewhere); 0 outside loss_mask. pack, pg: as in
     compute_log_probs."""
     return forward_only(model, global_batch, num_microbatches, lambda output, batch: values_from_head(output),
                         pack=_resolve_pack(pack, None), pg=pg)

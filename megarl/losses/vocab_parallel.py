@@ -171,7 +171,7 @@ def vocab_parallel_logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, 
     targets: [...] or [..., K] global token ids. temperature: the sampling temperature the rollout engine used
     (logits / T).
     vocab_size: the true vocabulary size; padded columns past it are excluded. group: the TP process group
-    (megatron.core.parallel_state.get_tensor_model_parallel_group()); None means the whole vocabulary is local.
+    (pg.tp of megatron-core's ProcessGroupCollection); None means the whole vocabulary is local.
     chunk_size: tokens processed at once; by default as many as fit `chunk_bytes` per [chunk, vocab/tp] float32
     temporary (32 MiB: ~55 tokens of a 151,936-token vocabulary at TP=1), which bounds the extra memory.
     """

@@ -19,7 +19,6 @@ What is written here, and why:
 """
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -32,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel, platform
+from ..compat import mbridge as mbridge_compat
+from ..compat.megatron import mla_core_attention
 from ..parallel.config import ParallelConfigError
 from .checkpoint import publish_dir
 from .hf import HFModelFolder, open_model_folder
@@ -76,50 +77,14 @@ _FAMILY_CONFIG = {
 }
 
 
-def _mla_config(bridge, **fields):
-    """MLATransformerConfig from mbridge 0.15.1's fields (a method of the bridge, which calls
-    self.TransformerConfigClass(**fields)). mbridge passes max_position_embeddings, which megatron-core 0.19 names
-    original_max_position_embeddings (YaRN's original context length). It reads RoPE scaling from
-    rope_scaling["type"], which transformers 5 calls rope_parameters["rope_type"]: without this a YaRN model (every
-    DeepSeek-V3 checkpoint) would be built with plain RoPE, silently."""
-    from megatron.core.transformer import MLATransformerConfig
-
-    rope = dict(getattr(bridge.hf_config, "rope_parameters", None) or {})
-    if rope.get("rope_type", "default") == "yarn":
-        fields.update(rope_type="yarn", rotary_scaling_factor=rope["factor"], beta_fast=rope.get("beta_fast", 32),
-                      beta_slow=rope.get("beta_slow", 1), mscale=rope.get("mscale", 1.0),
-                      mscale_all_dim=rope.get("mscale_all_dim", 0.0),
-                      max_position_embeddings=rope["original_max_position_embeddings"])
-    fields["original_max_position_embeddings"] = fields.pop("max_position_embeddings")
-    return MLATransformerConfig(**fields)
-
-
-def _mbridge_class(model_type: str, extras: dict):
-    """mbridge's bridge class for model_type, adapted where mbridge 0.15.1 and megatron-core 0.19.2 disagree, building
-    its TransformerConfig with megarl's fields (`extras`, which win over mbridge's) from the start: mbridge's
-    constructor builds one from its own fields alone, which megatron-core may refuse before set_extra_args can correct
-    it (Qwen3-MoE at top-k 1: mbridge's moe_router_pre_softmax=False, which megatron-core refuses there)."""
-    from mbridge.core.auto_bridge import _MODEL_REGISTRY  # what AutoBridge.from_config looks the class up in
-
-    cls = _MODEL_REGISTRY[model_type]
-
-    def _build_base_config(self, *args, **kwargs):
-        return cls._build_base_config(self, *args, **{**kwargs, **extras})
-
-    namespace = {"_build_base_config": _build_base_config}
-    if model_type == "deepseek_v3":
-        namespace["TransformerConfigClass"] = _mla_config
-    return type(cls.__name__, (cls,), namespace)
-
-
 def is_expert_param(name: str) -> bool:
     return ".mlp.experts." in name and ".shared_experts." not in name
 
 
 class ModelBridge:
     """One HF model folder, bound to a parallel layout: `pg`, megatron-core's ProcessGroupCollection
-    (megarl.parallel.groups().mcore; None: megatron's parallel_state groups), used for every collective and passed to
-    the GPTModels it builds.
+    (megarl.parallel.groups().mcore, or megarl.parallel.user_groups() in a user's own Megatron loop), used for every
+    collective and passed to the GPTModels it builds.
 
         bridge = ModelBridge("path/to/hf_folder", pg=megarl.parallel.groups().mcore)   # after megarl.parallel.initialize
         chunks = bridge.build()                              # list[GPTModel], one per virtual pipeline stage
@@ -128,27 +93,21 @@ class ModelBridge:
     """
 
     def __init__(self, hf: str | HFModelFolder, dtype: torch.dtype | None = None,
-                 make_vocab_size_divisible_by: int = 128, config_overrides: dict | None = None, pg=None):
-        from megatron.core import parallel_state as ps
-
-        if pg is None and not ps.model_parallel_is_initialized():
-            raise RuntimeError("ModelBridge needs megatron parallel_state: call megarl.parallel.initialize() first")
-        self.pg = parallel.mcore_groups(pg)
+                 make_vocab_size_divisible_by: int = 128, config_overrides: dict | None = None, *, pg):
+        if pg is None:
+            raise TypeError("ModelBridge needs pg, megatron-core's ProcessGroupCollection: "
+                            "megarl.parallel.groups().mcore after megarl.parallel.initialize(), or "
+                            "megarl.parallel.user_groups() in your own loop")
+        self.pg = pg
         self.hf = hf if isinstance(hf, HFModelFolder) else open_model_folder(hf)
         self.dtype = dtype or (torch.bfloat16 if platform.on_gpu() else torch.float32)
         hf_config = self.hf.config
-        # mbridge reads rope_theta as an attribute; transformers 5 keeps it in rope_parameters.
-        if not hasattr(hf_config, "rope_theta"):
-            hf_config.rope_theta = self.hf.rope_theta
-        # mbridge reads head_dim with getattr(config, "head_dim", hidden // heads); transformers 5's Mixtral config
-        # has the attribute set to None when config.json has no head_dim, which that default does not catch.
-        if getattr(hf_config, "head_dim", 0) is None:
-            hf_config.head_dim = hf_config.hidden_size // hf_config.num_attention_heads
+        mbridge_compat.prepare_hf_config(hf_config, self.hf.rope_theta)
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         extras = self._config_extras(config_overrides or {})
-        self.mb = _mbridge_class(hf_config.model_type, extras)(hf_config, dtype=self.dtype)
-        self._isolate_name_tables()
-        self.mb.extra_args = dict(extras)  # what set_extra_args would record (the config is already built with them)
+        self.mb = mbridge_compat.bridge_class(hf_config.model_type, extras)(hf_config, dtype=self.dtype)
+        mbridge_compat.isolate_name_tables(self.mb, self.tied)
+        mbridge_compat.set_extra_args(self.mb, extras)
         self.config = self.mb.config
 
         pg = self.pg
@@ -166,9 +125,7 @@ class ModelBridge:
         self.vocab_size = hf_config.vocab_size
         multiple = make_vocab_size_divisible_by * self.tp
         self.padded_vocab_size = int(math.ceil(self.vocab_size / multiple) * multiple)
-        # mbridge pads/unpads embedding and output layer with these three attributes.
-        self.mb.make_vocab_size_divisible_by = multiple
-        self.mb.vocab_size, self.mb.padded_vocab_size = self.vocab_size, self.padded_vocab_size
+        mbridge_compat.set_vocab_padding(self.mb, multiple, self.vocab_size, self.padded_vocab_size)
 
     # ------------------------------------------------------------------------------------------------ config
     def _config_extras(self, overrides: dict) -> dict:
@@ -192,15 +149,6 @@ class ModelBridge:
             extras.update(_FAMILY_CONFIG[self.hf.model_type](c))
         extras.update(overrides)
         return extras
-
-    def _isolate_name_tables(self) -> None:
-        cls = type(self.mb)
-        direct = dict(cls._DIRECT_MAPPING)
-        direct["output_layer.weight"] = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
-        self.mb._DIRECT_MAPPING = direct
-        for klass in cls.__mro__:  # undo the class-level rewrite mbridge's constructor made
-            if "_DIRECT_MAPPING" in vars(klass) and "output_layer.weight" in klass._DIRECT_MAPPING:
-                klass._DIRECT_MAPPING["output_layer.weight"] = "lm_head.weight"
 
     # -------------------------------------------------------------------------------------------------- build
     def layer_spec(self, vp_stage: int | None = None):
@@ -253,7 +201,7 @@ class ModelBridge:
         return chunks
 
     def _value_head(self):
-        return ValueHead(self.config.hidden_size, bool(self.config.sequence_parallel), self.dtype)
+        return ValueHead(self.config.hidden_size, bool(self.config.sequence_parallel), self.dtype, self.pg.tp)
 
     # ---------------------------------------------------------------------------------------------- names
     def canonical_name(self, model, local_name: str) -> str:
@@ -281,18 +229,19 @@ class ModelBridge:
                                 ".self_attention.linear_q_up_proj.layer_norm_weight")
             name = name.replace(".self_attention.kv_layernorm.weight",
                                 ".self_attention.linear_kv_up_proj.layer_norm_weight")
-        if "input_layernorm.weight" not in self.mb._ATTENTION_MAPPING:  # mbridge's DeepSeek table maps it itself
+        # (mbridge's DeepSeek table maps input_layernorm itself)
+        if "input_layernorm.weight" not in mbridge_compat.attention_mapping(self.mb):
             name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
-        if "pre_mlp_layernorm" not in self.mb._MLP_MAPPING:
+        if "pre_mlp_layernorm" not in mbridge_compat.mlp_mapping(self.mb):
             name = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
         return name
 
     def hf_names(self, canonical: str) -> list[str]:
         if canonical == "output_layer.weight":
-            # The per-instance table (_isolate_name_tables) knows tied embeddings; mbridge's GLM-4.5 bridge hard-codes
-            # lm_head.weight, which a tied model's last pipeline stage would read.
-            return [self.mb._DIRECT_MAPPING[canonical]]
-        return self.mb._weight_name_mapping_mcore_to_hf(canonical)
+            # The per-instance table (mbridge_compat.isolate_name_tables) knows tied embeddings; mbridge's GLM-4.5
+            # bridge hard-codes lm_head.weight, which a tied model's last pipeline stage would read.
+            return [mbridge_compat.direct_mapping(self.mb)[canonical]]
+        return mbridge_compat.hf_names(self.mb, canonical)
 
     def _tensors(self, model, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(local name, tensor) for every weight of a chunk, including router expert-bias buffers."""
@@ -320,10 +269,10 @@ class ModelBridge:
                 canonical = self.canonical_name(model, local_name)
                 if skip_output_layer and canonical == "output_layer.weight":
                     continue
-                full = self.mb._weight_to_mcore_format(canonical, self.hf.read(self.hf_names(canonical)))
+                full = mbridge_compat.to_mcore_format(self.mb, canonical, self.hf.read(self.hf_names(canonical)))
                 expert = is_expert_param(canonical)
                 size, rank = (self.etp, self.etp_rank) if expert else (self.tp, self.tp_rank)
-                shard = self.mb._weight_split_across_tp(canonical, full, param, size)[rank]
+                shard = mbridge_compat.split_across_tp(self.mb, canonical, full, param, size)[rank]
                 if shard.shape != param.shape:
                     raise ValueError(f"{local_name}: HF tensor(s) {self.hf_names(canonical)} give shape "
                                      f"{tuple(shard.shape)} for this rank, the model expects {tuple(param.shape)}")
@@ -386,13 +335,13 @@ class ModelBridge:
                     for r, part in zip(dist.get_process_group_ranks(group), parts):
                         if r != owner_rank:
                             dist.recv(part, src=r, group=group)
-                    full = self.mb._weight_merge_across_tp(canonical, parts, param)
+                    full = mbridge_compat.merge_across_tp(self.mb, canonical, parts, param)
                     del parts
                 else:
                     full = value
                 if not is_owner:
                     continue
-                names, tensors = self.mb._weight_to_hf_format(canonical, full)
+                names, tensors = mbridge_compat.to_hf_format(self.mb, canonical, full)
                 del full
                 for hf_name, tensor in zip(names, tensors):
                     # a merged tensor is already a fresh copy; an ungathered one is the live parameter
@@ -441,24 +390,6 @@ class ModelBridge:
         dist.barrier()
 
 
-@functools.cache
-def mla_core_attention() -> type:
-    """megatron-core's local (unfused) attention for MLA on CPU. MLA passes k_channels / v_channels (its query/key
-    heads are qk_head_dim + qk_pos_emb_head_dim wide, its value heads v_head_dim), which megatron-core 0.19.2's
-    DotProductAttention does not accept; its forward already works for any query/key head size and takes MLA's
-    softmax_scale, so only the output width (value heads x heads on this rank) is set here. (A function so that
-    importing megarl.models does not import megatron-core.)"""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    class MLADotProductAttention(DotProductAttention):
-        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
-            super().__init__(*args, **kwargs)
-            if v_channels is not None:
-                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
-
-    return MLADotProductAttention
-
-
 class ValueHead(torch.nn.Module):
     """A critic's value head in place of GPTModel's output layer: one linear unit, replicated on every TP rank.
 
@@ -468,8 +399,9 @@ class ValueHead(torch.nn.Module):
     Megatron's finalize_model_grads all-reduces its gradient over TP, as for the norms. Output [s, b, 1] like logits.
     """
 
-    def __init__(self, hidden_size: int, sequence_parallel: bool, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, sequence_parallel: bool, dtype: torch.dtype, tp_group=None):
         super().__init__()
+        self.tp_group = tp_group  # the model's TP group (sequence parallelism gathers over it)
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
         self.sequence_parallel = sequence_parallel
         if sequence_parallel:
@@ -480,7 +412,8 @@ class ValueHead(torch.nn.Module):
 
         values = torch.nn.functional.linear(hidden_states, self.weight)
         if self.sequence_parallel:
-            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False,
+                                                          group=self.tp_group)
         return values, None
 
 

@@ -185,22 +185,22 @@ def _layout(lengths: list[int], seq: int, segments: torch.Tensor | None, bins: l
 
 
 @torch.no_grad()
-def forward_logits(chunks: list, micro_batches: list[torch.Tensor], vocab_size: int | None = None):
+def forward_logits(chunks: list, micro_batches: list[torch.Tensor], vocab_size: int | None = None, *, pg):
     """Full-vocabulary logits [b, s, vocab] per micro-batch on the last pipeline stage (None on other stages).
 
-    Runs Megatron's forward-only pipeline schedule (PP/VPP), gathers the vocab-parallel logits over the TP group and
-    drops the padded vocabulary rows when vocab_size is given. Meant for checks and probes: training never gathers
-    the vocabulary.
+    Runs Megatron's forward-only pipeline schedule (PP/VPP) on pg (megatron-core's ProcessGroupCollection, the one the
+    model was built on: ModelBridge.pg), gathers the vocab-parallel logits over its TP group and drops the padded
+    vocabulary rows when vocab_size is given. Meant for checks and probes: training never gathers the vocabulary.
     """
-    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     def forward_step(data_iterator, model):
         output = model(*causal_inputs(next(data_iterator)))
 
         def keep_logits(logits):
-            full = gather_from_tensor_model_parallel_region(logits)
+            full = gather_from_tensor_model_parallel_region(logits, group=pg.tp)
             if vocab_size is not None:
                 full = full[..., :vocab_size]
             return torch.zeros((), device=logits.device), {"logits": full}
@@ -209,17 +209,20 @@ def forward_logits(chunks: list, micro_batches: list[torch.Tensor], vocab_size: 
 
     # Sequence parallelism splits the sequence over TP ranks: right-pad to a multiple of TP (causal attention keeps
     # the real positions unaffected) and cut the padding off the logits again.
-    tp = ps.get_tensor_model_parallel_world_size()
+    tp = pg.tp.size()
     lengths = [b.shape[1] for b in micro_batches]
     micro_batches = [torch.nn.functional.pad(b, (0, -b.shape[1] % tp)) for b in micro_batches]
     seq_length = micro_batches[0].shape[1]
     iterators = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
     for chunk in chunks:
         chunk.eval()
-    results = get_forward_backward_func()(
+    groups = {"pg_collection": pg}
+    if pg.pp.size() > 1:  # megatron-core's pipelined schedules take explicit groups with their p2p communicator
+        groups["p2p_communicator"] = P2PCommunicator(pp_group=pg.pp, config=chunks[0].config)
+    results = get_forward_backward_func(pp_size=pg.pp.size(), vp_size=len(chunks) if len(chunks) > 1 else None)(
         forward_step_func=forward_step, data_iterator=iterators, model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=micro_batches[0].shape[0],
-        forward_only=True)
-    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        forward_only=True, **groups)
+    if pg.pp.rank() != pg.pp.size() - 1:
         return None
     return [r["logits"][:, :n] for r, n in zip(results, lengths)]

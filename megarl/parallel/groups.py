@@ -28,13 +28,10 @@ class Groups:
         return self.leaders[self.dp_rank]
 
 
-def build_groups() -> Groups:
-    """A collective over the world: call it on every rank, after megatron's parallel_state is initialised."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    mcore = ProcessGroupCollection.use_mpu_process_groups()
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+def build_groups(mcore) -> Groups:
+    """megarl's groups around megatron-core's ProcessGroupCollection `mcore`. A collective over the world: call it on
+    every rank."""
+    dp_rank, dp_size = mcore.dp.rank(), mcore.dp.size()
     everyone = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, torch.tensor([dp_rank]))
     members = [[r for r, d in enumerate(everyone) if int(d) == k] for k in range(dp_size)]

@@ -1,8 +1,10 @@
-"""Where megarl meets the hardware: version pins, CPU shims for megatron-core, and the config flags each device needs.
+"""Where megarl meets the hardware: version pins, installing the CPU shims for megatron-core, and the config flags
+each device needs.
 
 `setup()` is called by everything that builds Megatron objects (megarl.parallel.initialize does it). Only when CUDA is
 absent, it checks the megatron-core version (the CPU shims patch lines of exactly that release) and installs the CPU
-shims (cpu_shims.py). On a GPU it changes nothing: megatron-core's own CUDA paths need no shim, so no pin is enforced.
+shims (megarl/compat/megatron.py). On a GPU it changes nothing: megatron-core's own CUDA paths need no shim, so no pin
+is enforced.
 """
 from __future__ import annotations
 
@@ -39,9 +41,9 @@ def setup() -> None:
     if not on_gpu():
         check_versions()  # where the shims apply, and only there
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        from . import cpu_shims
+        from ..compat import megatron
 
-        cpu_shims.apply()
+        megatron.apply()
     _done = True
 
 

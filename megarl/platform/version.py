@@ -15,8 +15,8 @@ class VersionMismatchError(UserError, RuntimeError):
 def check_versions(installed: dict[str, str | None] | None = None) -> None:
     """Stop with a clear message when an installed package differs from the tested pin.
 
-    The megatron-core CPU shims patch specific lines of 0.19.2 (see cpu_shims.py); another release may move them and
-    fail in a far less obvious place, so a mismatch is an error, not a warning.
+    The megatron-core CPU shims patch specific lines of 0.19.2 (see megarl/compat/megatron.py); another release may
+    move them and fail in a far less obvious place, so a mismatch is an error, not a warning.
     """
     lookup = installed.get if installed is not None else _installed
     for package, pinned in PINNED.items():

@@ -388,7 +388,7 @@ def probe_sequences(vocab_size: int, count: int = 2, length: int = 24, seed: int
 def verify_probes(bridge, chunks, client: EngineClient | None, probes: list[list[int]], atol: float) -> float:
     """Max |engine log-prob - trainer log-prob| over the probe tokens (raises above atol). A collective."""
     ids = torch.tensor(probes)
-    logits = forward_logits(chunks, [ids], vocab_size=bridge.vocab_size)
+    logits = forward_logits(chunks, [ids], vocab_size=bridge.vocab_size, pg=bridge.pg)
     trainer = None
     if logits is not None:
         logp = torch.log_softmax(logits[0].float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]

@@ -2,7 +2,8 @@
 group.
 
 On CPU the server runs SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1, torch_native attention, no CUDA graphs) with the
-two stand-in modules in megarl/platform/sglang_cpu on its PYTHONPATH; on a GPU it runs with SGLang's defaults.
+the patches and stand-in modules of megarl/compat/sglang_cpu on its PYTHONPATH (megarl.compat.sglang); on a GPU it runs
+with SGLang's defaults.
 
 `server_command` is the one place the `sglang.launch_server` command line is built (trainer-started engines, the
 Slurm engine nodes and the `--dry-run` plan all go through it; `engine_server_config` maps the run config onto it).
@@ -25,11 +26,11 @@ from dataclasses import dataclass, field
 import requests
 
 from .. import platform
+from ..compat.sglang import CPU_STANDINS, cpu_server_env  # noqa: F401 - CPU_STANDINS: where the server finds them
 from ..errors import UserError
 from ..parallel.env import free_port
 
 logger = logging.getLogger(__name__)
-CPU_STANDINS = os.path.join(os.path.dirname(platform.__file__), "sglang_cpu")
 _FATAL_MARKERS = ("Received sigquit from a child process",)
 _TRAINER_ENV = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                 "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"}
@@ -107,14 +108,12 @@ def server_command(cfg: ServerConfig, port: int | str, on_gpu: bool | None = Non
         # waits on its sockets (zmq poll: a request wakes it at once). Measured idle: 0.01 core instead of a busy one.
         cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--sleep-on-idle"]
         env["SGLANG_USE_CPU_ENGINE"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (CPU_STANDINS, env.get("PYTHONPATH")) if p)
+        cpu_server_env(env, cfg.seeded_sampling)  # megarl/compat/sglang_cpu: stand-ins, patches (seeded sampling)
         env.setdefault("OMP_NUM_THREADS", "1")
         if cfg.tp_size > 1:
             # SGLang's CPU engine binds each TP rank to one NUMA node unless told which cores to use, and refuses
             # more ranks than NUMA nodes (sglang/srt/utils/numa_utils.py, init_threads_binding).
             env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_threads_bind(cfg.tp_size))
-        if cfg.seeded_sampling:  # see sglang_cpu/sitecustomize.py
-            env["MEGARL_SGLANG_SEEDED_SAMPLING"] = "1"
     elif cfg.seeded_sampling:
         cmd += ["--enable-deterministic-inference"]
     return cmd + [str(a) for a in cfg.extra_args], env

@@ -72,11 +72,10 @@ def _teardown():
     import torch.distributed as dist
 
     if dist.is_initialized():
-        from megatron.core import parallel_state
+        from ..compat.megatron import destroy_model_parallel
 
         dist.barrier()
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+        destroy_model_parallel()
         dist.destroy_process_group()
 
 

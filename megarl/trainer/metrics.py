@@ -81,7 +81,8 @@ def forgetting_kl(policy_log_probs, initial_log_probs, mask, pg) -> dict:
     return {"eval/kl_to_initial": _ratio(sums[0], sums[2]), "eval/kl_to_initial_k1": _ratio(sums[1], sums[2])}
 
 
-def routing(stats: RoutingStats, engine_routing, rank_batch, model, pack, num_layers: int, num_experts: int) -> dict:
+def routing(stats: RoutingStats, engine_routing, rank_batch, model, pack, num_layers: int, num_experts: int,
+            pg) -> dict:
     """MoE: how often the routing of the old-log-prob forward (the trainer's own, or the engine's under R3) picked
     the engine's experts, expert load balance and dropped tokens, over each sample's positions but its last (whose
     output is never trained, and which the engine never routed): padding never counts. Each pipeline stage holds its
@@ -91,7 +92,7 @@ def routing(stats: RoutingStats, engine_routing, rank_batch, model, pack, num_la
     positions = (torch.arange(batch.input_ids.shape[1]) < samples.seq_lens[:, None] - 1).float()
     positions = torch.cat([positions, positions.new_zeros(batch.input_ids.shape[0] - len(positions),
                                                           positions.shape[1])])
-    layouts = schedule_layouts(model, batch.split(rank_batch.num_microbatches), pack)  # the forward's token order
+    layouts = schedule_layouts(model, batch.split(rank_batch.num_microbatches), pack, pg=pg)  # the forward's order
     counted = (positions, rank_batch.num_microbatches, layouts)  # the samples' routed tokens, as the engine routed
     sums = torch.cat([stats.agreement(engine_routing, *counted), stats.assignments(*counted)])
     load = stats.load(num_layers, num_experts, *counted)

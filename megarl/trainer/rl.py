@@ -173,7 +173,7 @@ class RLTrainer:
             if routing is not None:
                 signals.update(metrics.routing(routing, engine_routing, rb, self.policy.model,
                                                cfg.algorithm.pack_sequences, self.bridge.config.num_layers,
-                                               self.bridge.config.num_moe_experts))
+                                               self.bridge.config.num_moe_experts, pg))
         else:
             batch.old_log_probs = batch.rollout_log_probs
         if cfg.rl.max_staleness:

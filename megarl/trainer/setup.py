@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel, platform
+from ..compat import megatron as megatron_compat
 from ..config import ConfigError
 from ..models import ModelBridge, open_model_folder, write_tiny_model
 
@@ -33,9 +34,9 @@ def init_parallel(cfg, model_path: str):
     return folder
 
 
-def wrap_ddp(chunks: list, distributed_optimizer: bool = False, pg=None) -> list:
+def wrap_ddp(chunks: list, distributed_optimizer: bool = False, *, pg) -> list:
     """Megatron DDP around each chunk, with the config hooks the schedules call (grad sync, finalize); pg:
-    megatron-core's ProcessGroupCollection (None: megatron's parallel_state groups)."""
+    megatron-core's ProcessGroupCollection the chunks were built on (ModelBridge.pg)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
@@ -50,21 +51,18 @@ def wrap_ddp(chunks: list, distributed_optimizer: bool = False, pg=None) -> list
 
 def make_optimizer(model: list, lr: float, min_lr: float, warmup_steps: int, decay_style: str, total_steps: int,
                    weight_decay: float = 0.0, betas=(0.9, 0.999), clip_grad: float = 1.0,
-                   distributed: bool = False):
-    """megatron-core Adam (optionally the distributed optimizer) and its OptimizerParamScheduler.
-
-    The optimizer takes megatron's parallel_state groups, not an explicit ProcessGroupCollection: megatron-core 0.19.2's
-    get_megatron_optimizer(pg_collection=...) refuses the gloo groups its distributed optimizer uses for CPU-side
-    state (process_groups_config.py, setup_process_groups_for_optimizer), and megarl's layout is parallel_state's
-    (megarl.parallel.initialize builds both from the same call)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+                   distributed: bool = False, *, pg):
+    """megatron-core Adam (optionally the distributed optimizer) and its OptimizerParamScheduler, for the model built
+    on pg (megatron-core's ProcessGroupCollection). megatron-core 0.19.2's optimizer cannot take pg itself: see
+    megarl.compat.megatron.get_megatron_optimizer."""
+    from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     on_gpu = platform.on_gpu()
-    optimizer = get_megatron_optimizer(OptimizerConfig(
+    optimizer = megatron_compat.get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=betas[0],
         adam_beta2=betas[1], clip_grad=clip_grad, use_distributed_optimizer=distributed, bf16=on_gpu,
-        params_dtype=torch.bfloat16 if on_gpu else torch.float32), model)
+        params_dtype=torch.bfloat16 if on_gpu else torch.float32), model, pg)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
         lr_decay_steps=max(total_steps, warmup_steps + 1), lr_decay_style=decay_style, start_wd=weight_decay,
@@ -111,10 +109,10 @@ def moe_config_overrides(cfg, folder) -> dict:
 
 
 def build_policy(folder, optim, total_steps: int, load: str | None = None,
-                 config_overrides: dict | None = None, pg=None) -> Policy:
+                 config_overrides: dict | None = None, *, pg) -> Policy:
     """Sharded policy with the HF weights (or a megarl checkpoint's model weights when `load` is set), on the layout
-    of pg (megatron-core's ProcessGroupCollection; None: megatron's parallel_state groups). optim None: weights only,
-    for forward passes (`megarl eval`): no DDP wrapper, optimizer or schedule."""
+    of pg (megatron-core's ProcessGroupCollection). optim None: weights only, for forward passes (`megarl eval`): no
+    DDP wrapper, optimizer or schedule."""
     from ..models.checkpoint import load_model_checkpoint
 
     bridge = ModelBridge(folder, config_overrides=config_overrides, pg=pg)
@@ -129,7 +127,7 @@ def build_policy(folder, optim, total_steps: int, load: str | None = None,
     optimizer, scheduler = make_optimizer(
         model, optim.lr, optim.min_lr, optim.warmup_steps, optim.decay_style, total_steps,
         weight_decay=optim.weight_decay, betas=(optim.adam_beta1, optim.adam_beta2), clip_grad=optim.clip_grad,
-        distributed=optim.distributed_optimizer)
+        distributed=optim.distributed_optimizer, pg=bridge.pg)
     return Policy(bridge, chunks, model, optimizer, scheduler)
 
 
@@ -141,7 +139,8 @@ def build_critic(bridge: ModelBridge, policy_chunks: list, optim, lr: float, tot
     model = wrap_ddp(chunks, optim.distributed_optimizer, pg=bridge.pg)
     optimizer, scheduler = make_optimizer(
         model, lr, 0.0, optim.warmup_steps, "constant", total_steps, weight_decay=optim.weight_decay,
-        betas=(optim.adam_beta1, optim.adam_beta2), clip_grad=optim.clip_grad, distributed=optim.distributed_optimizer)
+        betas=(optim.adam_beta1, optim.adam_beta2), clip_grad=optim.clip_grad, distributed=optim.distributed_optimizer,
+        pg=bridge.pg)
     return Policy(bridge, chunks, model, optimizer, scheduler)
 
 

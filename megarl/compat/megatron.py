@@ -1,11 +1,23 @@
-"""Monkeypatches that let megatron-core 0.19.2 run on a CPU-only torch build with gloo.
+"""megatron-core: every place megarl relies on megatron-core internals, written for megatron-core 0.19.2.
 
-megatron-core is written for CUDA: it asks torch.cuda for the current device, RNG state and streams, and creates a few
-scratch tensors with a hard-coded device="cuda". On a CPU torch build each of those raises. Every shim below names the
-megatron-core file and line it works around (0.19.2) and is covered by a test in tests/test_platform_shims.py that
-fails when the shim is reverted. They are applied by `megarl.platform.setup()` only when CUDA is absent.
+What lives here (callers import it from megarl.compat.megatron; nothing else in megarl touches these):
 
-Each shim records what it replaced, so a test can revert one shim (in a forked rank) and watch megatron-core fail.
+- The CPU shims: monkeypatches that let megatron-core 0.19.2 run on a CPU-only torch build with gloo (`SHIMS`,
+  `apply`, `revert`, `applied`). megatron-core is written for CUDA: it asks torch.cuda for the current device, RNG state
+  and streams, and creates a few scratch tensors with a hard-coded device="cuda". On a CPU torch build each of those
+  raises. Every shim below names the megatron-core file and line it works around (0.19.2) and is covered by a test in
+  tests/test_platform_shims.py that fails when the shim is reverted. They are applied by `megarl.platform.setup()`
+  only when CUDA is absent. Each shim records what it replaced, so a test can revert one shim (in a forked rank) and
+  watch megatron-core fail.
+- megatron's global process-group state (`megatron.core.parallel_state`): creating and destroying it
+  (`initialize_model_parallel`, `destroy_model_parallel`), reading its groups as a ProcessGroupCollection
+  (`process_groups_from_parallel_state`, behind the one user adapter megarl.parallel.user_groups), and the optimizer,
+  which in 0.19.2 only works on those global groups here (`get_megatron_optimizer`). Everywhere else megarl passes
+  the ProcessGroupCollection explicitly.
+- megatron-core's rank layout (`rank_generator`: RankGenerator and the private `_inject_gtp_remat_axis`) for the
+  launch planner, and MLA's local core attention on CPU (`mla_core_attention`).
+
+`check_assumptions()` checks that every private member and signature used here is still there (tests/test_compat.py).
 """
 from __future__ import annotations
 
@@ -16,8 +28,11 @@ import queue
 from dataclasses import dataclass
 from typing import Callable
 
+import inspect
+
 import torch
 
+VERSION = "0.19.2"  # the megatron-core release every entry here was written for (megarl.platform.PINNED)
 _MISSING = object()
 
 
@@ -350,3 +365,179 @@ def revert(name: str) -> None:
 
 def applied() -> list[str]:
     return sorted(_applied)
+
+
+# ---------------------------------------------------------------------------------- megatron's global process groups
+# megatron-core keeps one set of process groups in module globals (megatron.core.parallel_state). megarl passes its
+# ProcessGroupCollection explicitly everywhere; the global groups still have to exist because parts of megatron-core
+# 0.19.2 only read them: the optimizer (below), and the defaults of functions called without a group. These
+# functions are the only places megarl reads or writes that state.
+def initialize_model_parallel(*, tp: int, pp: int, vpp: int | None, cp: int, ep: int, etp: int | None,
+                              timeout_minutes: int, order: str):
+    """Create megatron's global groups for this layout (destroying any previous ones) and return them as
+    megatron-core's ProcessGroupCollection. megatron-core 0.19.2: parallel_state.initialize_model_parallel (its
+    keyword names, `order`)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if (vpp or 1) > 1 else None, context_parallel_size=cp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        distributed_timeout_minutes=timeout_minutes, order=order)
+    return process_groups_from_parallel_state()
+
+
+def model_parallel_is_initialized() -> bool:
+    from megatron.core import parallel_state
+
+    return parallel_state.model_parallel_is_initialized()
+
+
+def destroy_model_parallel() -> None:
+    """Destroy megatron's global groups when they exist (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+
+
+def process_groups_from_parallel_state():
+    """megatron-core's ProcessGroupCollection of the groups in megatron's global state (megatron-core 0.19.2:
+    ProcessGroupCollection.use_mpu_process_groups). Raises when that state is not initialised."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if not model_parallel_is_initialized():
+        raise RuntimeError("megatron's model-parallel groups are not initialised: call megarl.parallel.initialize() "
+                           "(or megatron.core's initialize_model_parallel) first")
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def pipeline_sizes() -> tuple[int, int | None]:
+    """(pp, vpp) of megatron's global groups."""
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_virtual_pipeline_model_parallel_world_size())
+
+
+def _is_global_collection(pg) -> bool:
+    """Whether `pg` holds megatron's global groups (the ones the optimizer will use)."""
+    if not model_parallel_is_initialized():
+        return False
+    mine = process_groups_from_parallel_state()
+    return all(getattr(pg, name, None) is getattr(mine, name, None) for name in ("tp", "pp", "dp_cp", "expt_dp"))
+
+
+def get_megatron_optimizer(config, model: list, pg):
+    """megatron-core's get_megatron_optimizer(config, model) for the model built on `pg`.
+
+    Works around megatron-core 0.19.2: get_megatron_optimizer(pg_collection=...) refuses the gloo groups its
+    distributed optimizer keeps CPU-side state in (process_groups_config.py,
+    ProcessGroupCollection.setup_process_groups_for_optimizer: an explicit collection must bring them, and none of
+    megatron-core's builders make them), while without pg_collection it takes megatron's global groups. So the
+    optimizer is built without pg_collection, and `pg` must be those global groups (megarl.parallel.initialize builds
+    both from the same call): anything else raises rather than stepping on the wrong groups."""
+    from megatron.core.optimizer import get_megatron_optimizer as build
+
+    if not _is_global_collection(pg):
+        raise RuntimeError("megatron-core 0.19.2's optimizer runs on megatron's global groups only, and the model's "
+                           "ProcessGroupCollection is another one. Fix: build the model on "
+                           "megarl.parallel.groups().mcore (or megarl.parallel.user_groups())")
+    return build(config, model)
+
+
+# ------------------------------------------------------------------------------------------------ rank layout
+def rank_generator(*, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, after: str):
+    """megatron-core's RankGenerator built as initialize_model_parallel (0.19.2, parallel_state.py:857/886) builds
+    it: the order gets the size-1 'gtp_remat' axis inserted after `after` ("tp" for the decoder, "ep" for the expert
+    generator) by the private parallel_state._inject_gtp_remat_axis (absent in older releases: order as given)."""
+    from megatron.core import parallel_state
+
+    inject = getattr(parallel_state, "_inject_gtp_remat_axis", None)
+    return parallel_state.RankGenerator(tp=tp, ep=ep, dp=dp, pp=pp, cp=cp,
+                                        order=inject(order, after=after) if inject else order)
+
+
+# --------------------------------------------------------------------------------------------------- MLA on CPU
+@functools.cache
+def mla_core_attention() -> type:
+    """megatron-core's local (unfused) attention for MLA on CPU. MLA passes k_channels / v_channels (its query/key
+    heads are qk_head_dim + qk_pos_emb_head_dim wide, its value heads v_head_dim), which megatron-core 0.19.2's
+    DotProductAttention (transformer/dot_product_attention.py) does not accept; its forward already works for any
+    query/key head size and takes MLA's softmax_scale, so only the output width (value heads x heads on this rank,
+    its attribute hidden_size_per_partition) is set here."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return MLADotProductAttention
+
+
+# ------------------------------------------------------------------------------------------------- assumptions
+def _has(module: str, *names: str) -> list[str]:
+    mod = importlib.import_module(module)
+    return [f"{module}.{n}" for n in names if not hasattr(mod, n)]
+
+
+def _params(fn) -> set[str]:
+    return set(inspect.signature(fn).parameters)
+
+
+def check_assumptions() -> list[str]:
+    """What this module relies on in the installed megatron-core; returns the broken assumptions (empty: all hold)."""
+    from importlib import metadata
+
+    problems = []
+    installed = metadata.version("megatron-core")
+    if installed != VERSION:
+        problems.append(f"megatron-core {installed} is installed, this module was written for {VERSION}")
+    # Private members patched or called (the CPU shims, the rank layout).
+    problems += _has("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", "_set_cuda_rng_state")
+    problems += _has("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim",
+                     "_reduce_scatter_along_first_dim")
+    problems += _has("megatron.core.dist_checkpointing.strategies.filesystem_async", "_results_queue")
+    problems += _has("megatron.core.parallel_state", "_inject_gtp_remat_axis", "RankGenerator",
+                     "initialize_model_parallel", "destroy_model_parallel", "model_parallel_is_initialized")
+    problems += _has("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu")
+    problems += _has("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu")
+    problems += _has("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32")
+    problems += _has("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32")
+    for module in HARDCODED_CUDA_MODULES:  # the shim replaces each module's `torch` global
+        if getattr(importlib.import_module(module), "torch", None) is None:
+            problems.append(f"{module} no longer imports torch as a module global")
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    for owner, name in ((DistributedOptimizer, "_build_model_and_main_param_groups"),
+                        (MLASelfAttention, "_qkv_down_projection"), (WrappedTorchNorm, "__new__")):
+        if name not in vars(owner):
+            problems.append(f"{owner.__module__}.{owner.__name__}.{name} is gone")
+    if "hidden_states" not in _params(MLASelfAttention._qkv_down_projection):
+        problems.append("MLASelfAttention._qkv_down_projection no longer takes hidden_states")
+    # Signatures called with keywords.
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import get_megatron_optimizer as build
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    wanted = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+              "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+              "distributed_timeout_minutes", "order"}
+    missing = wanted - _params(parallel_state.initialize_model_parallel)
+    if missing:
+        problems.append(f"parallel_state.initialize_model_parallel lacks {sorted(missing)}")
+    if not {"config", "model_chunks", "pg_collection"} <= _params(build):
+        problems.append("get_megatron_optimizer(config, model_chunks, pg_collection=...) changed")
+    if not hasattr(ProcessGroupCollection, "use_mpu_process_groups") or \
+            not hasattr(ProcessGroupCollection, "setup_process_groups_for_optimizer"):
+        problems.append("ProcessGroupCollection.use_mpu_process_groups / setup_process_groups_for_optimizer is gone")
+    if {"k_channels", "v_channels"} <= _params(DotProductAttention.__init__):
+        problems.append("DotProductAttention now accepts k_channels/v_channels: mla_core_attention may go")
+    return problems
