@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     p.add_argument("--probe-samples", type=int, default=4)
     p.add_argument("--tasks", help="comma-separated tasks (default: those the probe chose)")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets cores / jobs threads): a run "
                    "alternates between the engine generating and the trainer training, so two runs keep 2 cores busier")
