@@ -2,7 +2,7 @@
 
 megatron-core is written for CUDA: it asks torch.cuda for the current device, RNG state and streams, and creates a few
 scratch tensors with a hard-coded device="cuda". On a CPU torch build each of those raises. Every shim below names the
-megatron-core file and line it works around (0.19.2) and is covered by a test in tests/test_platform_shims.py that
+megatron-core file and line it works around (0.19.2) and is covered by a test in tests/platform/test_platform_shims.py that
 fails when the shim is reverted. They are applied by `megarl.platform.setup()` only when CUDA is absent.
 
 Each shim records what it replaced, so a test can revert one shim (in a forked rank) and watch megatron-core fail.

@@ -1,7 +1,7 @@
 """The algorithm zoo, part 2: FIPO, Clip-Cov, KL-Cov (policy losses), Lopti and high-entropy token selection (loss
 phases), the global top-k selection behind them and the entropy dynamics metric — against naive per-element
 references written here in plain Python (values and gradients), hand-worked numbers, a data-parallel split
-(2 gloo ranks) and config errors. Layout invariance through Megatron is in tests/test_rl_layouts.py."""
+(2 gloo ranks) and config errors. Layout invariance through Megatron is in tests/losses/test_rl_layouts.py."""
 import math
 
 import pytest

@@ -143,7 +143,7 @@ def test_variants_megarl_cannot_build_exactly_are_refused(tmp_path, changes, mes
 def test_engine_layout_fuses_the_shared_experts():
     """What the weight-sync checksums compare against for glm4_moe: SGLang's glm4_moe holds each MoE layer's shared
     experts as one gate_up_proj (gate rows, then up rows) n_shared_experts x moe_intermediate_size wide, named here
-    without an engine; tests/test_engine_sync_moe.py verifies an EP2 sync into a real SGLang CPU engine with it (a
+    without an engine; tests/reshard/test_sync_moe.py verifies an EP2 sync into a real SGLang CPU engine with it (a
     TP2xEP2 sync was checked by hand: all 51 engine tensors, engine log-probs within 5e-7 of the trainer's)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig

@@ -17,7 +17,7 @@ from megarl.trainer.batching import Sample, token_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<package>/ -> repo
 # family -> tiny model overrides (char tokenizer). The flagship, DeepSeek-V3 (MLA, sigmoid router with bias); the
-# trainer's routing bookkeeping is the same for every family (tests/test_engine_sync_moe.py checks each one's routing
+# trainer's routing bookkeeping is the same for every family (tests/reshard/test_sync_moe.py checks each one's routing
 # and R3 against a real engine).
 TINY_MOE = {"deepseek_v3": {}}
 
