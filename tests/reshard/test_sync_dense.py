@@ -6,15 +6,24 @@ import ranks
 from megarl.reshard import send_buckets
 from megarl.rollout import EngineClient, EngineError, ServerConfig, SGLangServer
 from megarl.testing import RankFailure, run_ranks, tiny_model_dir
-from megarl.testing.engines import tiny_engine
 
 pytestmark = pytest.mark.engine
 
 
+PROBE = [[5, 17, 42, 7, 9, 11], [3, 1, 4, 1, 5, 9]]
+
+
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    with tiny_engine("qwen2", str(tmp_path_factory.mktemp("engine"))) as server:
-        yield server
+def engine(tiny_qwen2_engine):
+    """The session's tiny Qwen2 server (megarl.testing.fixtures; the same model this module's own server used to be,
+    one ~30 s start saved). The syncs here replace its weights: afterwards it serves the original ones again, checked
+    on the prompt log-probs of a probe, for the tests after this module that only read it."""
+    client = EngineClient(server=tiny_qwen2_engine)
+    original = client.prompt_log_probs(PROBE)
+    yield tiny_qwen2_engine
+    client.call("/update_weights_from_disk", {"model_path": tiny_model_dir("qwen2"), "weight_version": "default"})
+    restored = client.prompt_log_probs(PROBE)
+    assert torch.tensor(restored).sub(torch.tensor(original)).abs().max() < 1e-4, "the session engine was not restored"
 
 
 CASES = [("tp2", {"tp": 2}, 2, "tensor"), ("tp2", {"tp": 2}, 2, "distributed"), ("pp2", {"pp": 2}, 2, "tensor"),
