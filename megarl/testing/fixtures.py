@@ -24,9 +24,10 @@ def pytest_collection_finish(session):
     """When a selected test uses tiny_qwen2_engine, launch its server now (a process, no thread: tests fork ranks) so
     it starts while the tests before its first user run: a start is ~25 s of one core on CPU, and a single-process
     test leaves the other core idle. The fixture then only waits for it."""
+    if session.config.option.collectonly:
+        return
     if any("tiny_qwen2_engine" in getattr(item, "fixturenames", ()) for item in session.items):
         from ..rollout import ServerConfig, SGLangServer
-        from .models import tiny_model_dir
 
         log_dir = session.config._tmp_path_factory.mktemp("tiny-qwen2-engine")
         _early["tiny_qwen2_engine"] = SGLangServer(ServerConfig(model_path=tiny_model_dir("qwen2"),
