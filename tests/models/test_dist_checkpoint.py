@@ -3,25 +3,9 @@ import pytest
 import torch
 
 import ranks
-from megarl.models import forward_logits, load_model_checkpoint, save_model_checkpoint
 from megarl.testing import run_ranks, tiny_model_dir
 
 pytestmark = pytest.mark.multirank
-
-
-def _save_then_load(path, ckpt, save_layout, load_layout):
-    _, _, chunks = ranks.build(path, **save_layout)
-    save_model_checkpoint(chunks, ckpt)
-    # Reference at the load layout: the same weights straight from the HF folder.
-    _, bridge, direct = ranks.build(path, **load_layout)
-    expected = forward_logits(direct, ranks.input_batches(), vocab_size=bridge.vocab_size)
-    torch.manual_seed(999)  # a different random init: the load must overwrite every weight
-    _, bridge, chunks = ranks.build(path, load=False, **load_layout)
-    before = forward_logits(chunks, ranks.input_batches(), vocab_size=bridge.vocab_size)
-    load_model_checkpoint(chunks, ckpt)
-    after = forward_logits(chunks, ranks.input_batches(), vocab_size=bridge.vocab_size)
-    return {"expected": expected, "before": before, "after": after,
-            "weights": dict(bridge.export_hf_weights(chunks))}
 
 
 @pytest.mark.parametrize("family,save_layout,load_layout,world", [
@@ -39,7 +23,7 @@ def test_checkpoint_reshards_between_layouts(tmp_path, family, save_layout, load
     from safetensors.torch import load_file
 
     path = tiny_model_dir(family)
-    results = run_ranks(world, _save_then_load, path, str(tmp_path / "ckpt"), save_layout, load_layout)
+    results = run_ranks(world, ranks.save_then_load, path, str(tmp_path / "ckpt"), save_layout, load_layout)
     last = [r for r in results if r["after"] is not None]
     assert last
     for r in last:

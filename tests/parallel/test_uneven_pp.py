@@ -19,7 +19,6 @@ from megarl.testing import run_ranks, tiny_model_dir
 from megarl.testing.engines import tiny_engine
 from megarl.trainer.config import load_train_config
 from rl_batch import TEMPERATURE, rl_token_batch
-from test_dist_checkpoint import _save_then_load
 
 FIRST, LAST = "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"
 EMBEDDING, LOSS = "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"
@@ -231,7 +230,7 @@ def test_rl_train_step_matches_single_rank():
 ], ids=["3L-pp2-to-pp1", "3L-pp1-to-pp2first1", "5L-pp2vpp3emb-to-pp2"])
 def test_dist_checkpoint_between_uneven_layouts(tmp_path, family, layers, save_layout, load_layout, world):
     path = tiny_model_dir(family, num_hidden_layers=layers)
-    results = run_ranks(world, _save_then_load, path, str(tmp_path / "ckpt"), save_layout, load_layout)
+    results = run_ranks(world, ranks.save_then_load, path, str(tmp_path / "ckpt"), save_layout, load_layout)
     last = [r for r in results if r["after"] is not None]
     assert last
     for r in last:

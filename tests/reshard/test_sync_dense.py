@@ -3,7 +3,6 @@ import pytest
 import torch
 
 import ranks
-from megarl.reshard import send_buckets
 from megarl.rollout import EngineClient, EngineError, ServerConfig, SGLangServer
 from megarl.testing import RankFailure, run_ranks, tiny_model_dir
 
@@ -46,26 +45,8 @@ def test_sync_makes_engine_match_trainer(engine, name, layout, world, transport)
         assert r["stats"]["buckets"] >= 2  # 256 KiB buckets: the model went over in several
 
 
-class _ZeroSliceOf:
-    """A transport wrapper that zeroes rows 0..7 of one tensor on the way to the engine."""
-
-    def __init__(self, transport, name):
-        self.inner, self.name = transport, name
-
-    def __getattr__(self, attr):
-        return getattr(self.inner, attr)
-
-    def send(self, source, version):
-        return send_buckets(self, source, version)  # the buckets go through this wrapper's push
-
-    def push(self, bucket, version):
-        if self.name in bucket.names:
-            bucket.tensor(self.name)[:8] = 0
-        return self.inner.push(bucket, version)
-
-
 def _corrupt_layer_2(transport):
-    return _ZeroSliceOf(transport, "model.layers.2.mlp.down_proj.weight")
+    return ranks.ZeroSliceOf(transport, "model.layers.2.mlp.down_proj.weight")
 
 
 def test_corrupted_tensor_is_detected_and_named(engine):

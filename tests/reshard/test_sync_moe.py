@@ -159,9 +159,8 @@ def test_deepseek_v3_is_checked_in_sglang_layout():
 
 
 def _corrupt_one_expert(transport):
-    from test_engine_sync import _ZeroSliceOf
 
-    return _ZeroSliceOf(transport, "model.layers.2.mlp.experts.3.up_proj.weight")  # expert 3 lives on EP rank 1
+    return ranks.ZeroSliceOf(transport, "model.layers.2.mlp.experts.3.up_proj.weight")  # expert 3 lives on EP rank 1
 
 
 @pytest.mark.engine

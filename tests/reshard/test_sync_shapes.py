@@ -92,9 +92,8 @@ def test_tied_gqa_head_dim_odd_intermediate_and_vocab_at_engine_tp2(qwen3_tp2):
 
 
 def _corrupt_gate_up(transport):
-    from test_engine_sync import _ZeroSliceOf
 
-    return _ZeroSliceOf(transport, "model.layers.1.mlp.up_proj.weight")
+    return ranks.ZeroSliceOf(transport, "model.layers.1.mlp.up_proj.weight")
 
 
 @pytest.mark.engine
