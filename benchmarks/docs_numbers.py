@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/docs_numbers.py            # rewrite every generated block from its JSON
     .venv/bin/python benchmarks/docs_numbers.py --check    # change nothing; list stale blocks and wrong quotes, exit 1
 
-A result reaches a document in one of two forms, and tests/test_docs.py checks both:
+A result reaches a document in one of two forms, and tests/docs/test_docs.py checks both:
 
 1. A generated block (tables, mostly):
 

@@ -8,7 +8,7 @@ original harness fails it?).
     .venv/bin/python benchmarks/sandbox.py [--runs 60] [--workers 2]
 
 Writes benchmarks/results/sandbox.json (the headline numbers and the machine) and sandbox_details.json (the other
-measurements). tests/test_code_reward.py runs the same HumanEval check (humaneval_check) on all 164 problems.
+measurements). tests/rewards/test_code_reward.py runs the same HumanEval check (humaneval_check) on all 164 problems.
 """
 from __future__ import annotations
 

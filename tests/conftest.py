@@ -3,6 +3,8 @@ import os
 import tempfile
 import warnings
 
+import pytest
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MEGARL_TEST_CACHE", tempfile.mkdtemp(prefix="megarl-test-cache-"))
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
@@ -24,3 +26,21 @@ import mbridge  # noqa: E402,F401
 import transformers  # noqa: E402,F401
 
 pytest_plugins = ["megarl.testing.fixtures"]
+
+TIERS = ("unit", "multirank", "engine", "e2e", "slurm")  # lightest to heaviest; a test that does several takes the heaviest
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: every collected test is checked
+def pytest_collection_modifyitems(config, items):
+    """Every test declares exactly one tier (pytestmark = pytest.mark.<tier> in its module, or a decorator on each test
+    of a module that mixes tiers), so `-m unit` and friends select what they claim to. A test without one, or with
+    two, stops the collection naming it."""
+    wrong = []
+    for item in items:
+        tiers = [m.name for m in item.iter_markers() if m.name in TIERS]
+        if len(tiers) != 1:
+            wrong.append(f"{item.nodeid}: {tiers or 'no tier'}")
+    if wrong:
+        raise pytest.UsageError(
+            f"{len(wrong)} test(s) need exactly one tier marker out of {', '.join(TIERS)} (tests/README.md):\n  "
+            + "\n  ".join(wrong[:50]))

@@ -397,3 +397,42 @@ def step_metrics(layout: dict, old, rollout, mask, entropy) -> dict:
     out.update(metrics.entropy_dynamics(entropy[share], mask[share], pg))
     out.update(metrics.forgetting_kl(held if last else None, rollout[share], mask[share], pg))
     return out
+
+
+def save_then_load(path, ckpt, save_layout, load_layout):
+    """Save a checkpoint at one layout, load it at another over a different random init: logits before and after
+    the load, the reference logits at the load layout from the HF folder, and the exported HF weights."""
+    from megarl.models import load_model_checkpoint, save_model_checkpoint
+
+    _, _, chunks = build(path, **save_layout)
+    save_model_checkpoint(chunks, ckpt)
+    # Reference at the load layout: the same weights straight from the HF folder.
+    _, bridge, direct = build(path, **load_layout)
+    expected = forward_logits(direct, input_batches(), vocab_size=bridge.vocab_size, pg=bridge.pg)
+    torch.manual_seed(999)  # a different random init: the load must overwrite every weight
+    _, bridge, chunks = build(path, load=False, **load_layout)
+    before = forward_logits(chunks, input_batches(), vocab_size=bridge.vocab_size, pg=bridge.pg)
+    load_model_checkpoint(chunks, ckpt)
+    after = forward_logits(chunks, input_batches(), vocab_size=bridge.vocab_size, pg=bridge.pg)
+    return {"expected": expected, "before": before, "after": after,
+            "weights": dict(bridge.export_hf_weights(chunks))}
+
+
+class ZeroSliceOf:
+    """A transport wrapper that zeroes rows 0..7 of one tensor on the way to the engine."""
+
+    def __init__(self, transport, name):
+        self.inner, self.name = transport, name
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+    def send(self, source, version):
+        from megarl.reshard import send_buckets
+
+        return send_buckets(self, source, version)  # the buckets go through this wrapper's push
+
+    def push(self, bucket, version):
+        if self.name in bucket.names:
+            bucket.tensor(self.name)[:8] = 0
+        return self.inner.push(bucket, version)

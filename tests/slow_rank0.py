@@ -1,5 +1,5 @@
 """`python -m slow_rank0 ARGS`: megarl's command with rank 0 started late, as on a loaded machine where rank 0 is still
-importing when the other ranks have already failed their pre-flight checks (tests/test_errors.py)."""
+importing when the other ranks have already failed their pre-flight checks (tests/cli/test_errors.py)."""
 import os
 import sys
 import time

@@ -4,6 +4,8 @@
     with LocalSlurmCluster(scratch, nodes=("n1", "n2")) as cluster:
         job = cluster.sbatch("slurm/train.sbatch", ["configs/x.yaml"], options=["-N2"], env={...})
         info = cluster.wait_for(job, {"COMPLETED"}, timeout=300)   # `scontrol show job` fields
+        # or: wait while the job keeps writing under log_dir (300 s without a new byte = stuck; 1800 s in all)
+        info = cluster.wait_for(job, {"COMPLETED"}, timeout=300, progress=Progress(log_dir), ceiling=1800)
 
 Everything lives in `scratch`: slurm.conf, a private munged (its own key and socket, not /run/munge), slurmctld and
 one slurmd per node name (all on 127.0.0.1 with their own ports: `slurmd -N n1`), state, spool and logs. The daemons
@@ -96,11 +98,15 @@ class _Jobs:
     def job_state(self, job_id: str) -> str:
         return self.job_info(job_id).get("JobState", "UNKNOWN")
 
-    def wait_for(self, job_id: str, states, timeout: float, poll: float = 0.5) -> dict:
+    def wait_for(self, job_id: str, states, timeout: float, poll: float = 0.5, progress=None,
+                 ceiling: float | None = None) -> dict:
         """Wait until the job is in one of `states`; AssertionError (with the job's fields) when it reaches another
-        terminal state or the timeout passes."""
+        terminal state or the wait runs out. Without `progress`, after `timeout` seconds. With `progress` (a function
+        returning anything comparable, e.g. Progress(files)), the wait follows the job: it runs out only when neither
+        the job's state nor progress() changed for `timeout` seconds, or after `ceiling` seconds in all (a loaded
+        machine makes a job slower, not stuck)."""
         states = {states} if isinstance(states, str) else set(states)
-        deadline = time.monotonic() + timeout
+        clock = Deadline(timeout, progress, ceiling)
         while True:
             info = self.job_info(job_id)
             state = info.get("JobState", "UNKNOWN")
@@ -108,9 +114,58 @@ class _Jobs:
                 return info
             if state in TERMINAL - states:
                 raise AssertionError(f"job {job_id} ended {state} (waiting for {sorted(states)}): {info}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"job {job_id} not in {sorted(states)} after {timeout:.0f}s: {info}")
+            expired = clock.expired(state)
+            if expired:
+                raise AssertionError(f"job {job_id} not in {sorted(states)}: {expired}: {info}")
             time.sleep(poll)
+
+
+class Deadline:
+    """A wait's limit. Fixed (`stall` seconds) without `progress`; with it, `stall` seconds without any change in
+    progress() or in the `seen` value passed to expired() (a job state), capped at `ceiling` seconds in all
+    (default 6 x stall)."""
+
+    def __init__(self, stall: float, progress=None, ceiling: float | None = None):
+        self.stall, self.progress = stall, progress
+        self.ceiling = ceiling if ceiling is not None else 6 * stall
+        self.start = self.changed = time.monotonic()
+        self.last = None
+
+    def expired(self, seen=None) -> str | None:
+        """None while the wait may go on, else why it ran out."""
+        now = time.monotonic()
+        if self.progress is None:
+            return f"not done after {self.stall:.0f}s" if now - self.start > self.stall else None
+        current = (seen, self.progress())
+        if current != self.last:
+            self.last, self.changed = current, now
+        if now - self.start > self.ceiling:
+            return f"still waiting after {self.ceiling:.0f}s in all"
+        if now - self.changed > self.stall:
+            return f"no progress (state or a byte written) for {self.stall:.0f}s"
+        return None
+
+
+class Progress:
+    """What a job has written so far: (path, size) of every file under the given files and folders (logs, metrics,
+    checkpoints). A job that writes nothing for a while is stuck; one that keeps writing is only slow."""
+
+    def __init__(self, *paths):
+        self.paths = [str(p) for p in paths]
+
+    def __call__(self) -> tuple:
+        found = []
+        for path in self.paths:
+            if os.path.isfile(path):
+                found.append((path, os.path.getsize(path)))
+            for folder, _, files in os.walk(path):
+                for name in files:
+                    full = os.path.join(folder, name)
+                    try:
+                        found.append((full, os.path.getsize(full)))
+                    except OSError:  # removed meanwhile (a checkpoint being replaced)
+                        pass
+        return tuple(sorted(found))
 
 
 class LocalSlurmCluster(_Jobs):

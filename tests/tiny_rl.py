@@ -7,7 +7,7 @@ import yaml
 # Deliberately "odd" shapes, as real models have: untied, multi-head attention (as many KV heads as heads),
 # intermediate_size 176 (SGLang's CPU engine zero-pads it to a multiple of 32) and a vocabulary of 300 (padded to 64):
 # every run of this config (megarl train, engine TP 1) checks that weight-sync verification follows the engine's
-# real layout. tests/test_sync_shapes.py covers tied, GQA and head_dim != hidden/heads at engine TP 2.
+# real layout. tests/reshard/test_sync_shapes.py covers tied, GQA and head_dim != hidden/heads at engine TP 2.
 TINY = {"family": "qwen2", "tokenizer": "char",
         "overrides": {"hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
                       "num_key_value_heads": 4, "vocab_size": 300, "max_position_embeddings": 128}}

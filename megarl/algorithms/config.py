@@ -83,7 +83,7 @@ class AlgorithmConfig:
     # The model's forward reads each micro-batch's real tokens packed together (per-sample attention and positions;
     # THD PackedSeqParams on the TransformerEngine path, packed rows of at most the padded length with a block mask
     # on CPU) instead of rows padded to the longest; outputs are unpacked before the objective, so results equal the
-    # padded forward (tests/test_packing.py). Used by RL, SFT and DPO alike (megarl/losses/step.py run_schedule). On
+    # padded forward (tests/losses/test_packing.py). Used by RL, SFT and DPO alike (megarl/losses/step.py run_schedule). On
     # by default: measured on CPU not slower on short uniform rows (quickstart shape: 0.93x) and 3.4x faster on a
     # long-tailed RL batch (benchmarks/packing.py); false restores the padded forward. None (the default): packed
     # unless context parallelism is on (parallel.cp > 1, which the packed path does not cover yet: padded there).

@@ -11,6 +11,6 @@
 Every private member (`_name`) of those libraries that megarl uses, and every monkeypatch of them, lives in one of these
 modules, with a docstring naming the library version it was written for and the upstream code it relies on or works
 around. Each module has a VERSION and a `check_assumptions()` returning the assumptions that no longer hold;
-tests/test_compat.py calls them, so an upgrade that breaks one fails a named test. Importing this package imports none
+tests/compat/test_compat.py calls them, so an upgrade that breaks one fails a named test. Importing this package imports none
 of the libraries.
 """

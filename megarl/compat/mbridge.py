@@ -12,7 +12,7 @@ the only place megarl touches them, and where megarl writes attributes mbridge r
 - `hf_names`, `to_mcore_format`, `split_across_tp`, `merge_across_tp`, `to_hf_format`: its private per-tensor rules.
 - `set_extra_args`, `set_vocab_padding`: attributes its methods read.
 
-`check_assumptions()` checks each private member and signature (tests/test_compat.py).
+`check_assumptions()` checks each private member and signature (tests/compat/test_compat.py).
 """
 from __future__ import annotations
 

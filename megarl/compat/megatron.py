@@ -6,7 +6,7 @@ What lives here (callers import it from megarl.compat.megatron; nothing else in 
   `apply`, `revert`, `applied`). megatron-core is written for CUDA: it asks torch.cuda for the current device, RNG state
   and streams, and creates a few scratch tensors with a hard-coded device="cuda". On a CPU torch build each of those
   raises. Every shim below names the megatron-core file and line it works around (0.19.2) and is covered by a test in
-  tests/test_platform_shims.py that fails when the shim is reverted. They are applied by `megarl.platform.setup()`
+  tests/platform/test_platform_shims.py that fails when the shim is reverted. They are applied by `megarl.platform.setup()`
   only when CUDA is absent. Each shim records what it replaced, so a test can revert one shim (in a forked rank) and
   watch megatron-core fail.
 - megatron's global process-group state (`megatron.core.parallel_state`): creating and destroying it
@@ -17,7 +17,7 @@ What lives here (callers import it from megarl.compat.megatron; nothing else in 
 - megatron-core's rank layout (`rank_generator`: RankGenerator and the private `_inject_gtp_remat_axis`) for the
   launch planner, and MLA's local core attention on CPU (`mla_core_attention`).
 
-`check_assumptions()` checks that every private member and signature used here is still there (tests/test_compat.py).
+`check_assumptions()` checks that every private member and signature used here is still there (tests/compat/test_compat.py).
 """
 from __future__ import annotations
 

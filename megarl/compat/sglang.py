@@ -13,7 +13,7 @@ this module first on its PYTHONPATH (`CPU_STANDINS`), which holds:
 The trainer itself imports a few SGLang internals (public names in internal modules): the flattened-bucket metadata
 and serializer for weight updates (megarl/reshard), its process-group helper, its CPU tensor hash, and its OpenAI tool
 protocol (megarl/envs). `check_assumptions()` checks all of these by reading SGLang's sources (nothing is imported:
-SGLang's modules need the stand-ins above to import on a CPU torch), tests/test_compat.py calls it.
+SGLang's modules need the stand-ins above to import on a CPU torch), tests/compat/test_compat.py calls it.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 Pure functions: nothing here starts torch.distributed, opens weights or talks to the network. The rank groups come
 from megatron-core's own `RankGenerator`, built exactly as `initialize_model_parallel` builds them (a
 decoder generator for the dense groups, an expert generator for ep/etp/expert-dp, order tp-cp-ep-dp-pp), so the
-printed groups are the ones the job creates; tests/test_topology.py checks them against initialize_model_parallel
+printed groups are the ones the job creates; tests/launch/test_topology.py checks them against initialize_model_parallel
 itself, run with a fake world.
 
 Rank -> host: torchrun gives node i the global ranks i*G .. i*G+G-1 (G = --nproc-per-node), local GPU = rank % G.

@@ -1,7 +1,7 @@
 """Run untrusted Python (model-written code) in a throw-away sandbox built with bubblewrap: one process tree per
 execution in its own namespaces, a minimal read-only root, per-execution limits, everything killed and gone after.
 
-What one execution sees and may do (each line is checked by an adversarial test in tests/test_sandbox.py):
+What one execution sees and may do (each line is checked by an adversarial test in tests/sandbox/test_sandbox.py):
 
 - files: a root of its own. Read-only: /usr (system libraries and tools), the /bin, /lib... links, and the trainer's
   Python installation at /python (run with -I -S: the standard library only, no site-packages). Read-write: its

@@ -1,0 +1,101 @@
+"""Reward functions and the reward process pool."""
+import pytest
+
+from megarl.rewards import RewardPool, exact_match, math_reward, resolve_reward
+
+
+@pytest.mark.unit
+def test_math_reward_checks_equivalence():
+    assert math_reward("The answer is \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert math_reward("68", "68") == 1.0 and math_reward("67", "68") == 0.0
+    assert math_reward("no number here", "68") == 0.0
+
+
+@pytest.mark.unit
+def test_exact_match_normalises():
+    assert exact_match(" 042 ", "42") == 1.0 and exact_match("Paris.", "paris") == 1.0
+    assert exact_match("41", "42") == 0.0
+    with pytest.raises(ValueError, match="needs an answer"):
+        exact_match("x", None)
+
+
+def length_reward(response, answer, **kwargs):  # a user reward by dotted path
+    return len(response) * kwargs.get("scale", 1.0)
+
+
+def failing_reward(response, answer, **_):
+    raise RuntimeError(f"cannot score {response!r}")
+
+
+@pytest.mark.unit
+def test_dotted_path_and_errors_score_zero():
+    assert resolve_reward("test_rewards:length_reward") is length_reward
+    with pytest.raises(ValueError, match="unknown; choose one of"):
+        resolve_reward("nope")
+    with pytest.raises(ValueError, match="cannot import"):
+        resolve_reward("no_such_module:f")
+    pool = RewardPool("test_rewards:length_reward", workers=1, kwargs={"scale": 2.0})
+    try:
+        assert pool.score([("abc", None), ("", None)]) == [6.0, 0.0]
+    finally:
+        pool.close()
+    pool = RewardPool("test_rewards:failing_reward", workers=1)
+    try:
+        assert pool.score([("x", None), ("y", None)]) == [0.0, 0.0]
+        assert pool.take_errors() == 2 and pool.take_errors() == 0
+    finally:
+        pool.close()
+
+
+def _score_in_a_rank():
+    pool = RewardPool("exact_match", workers=1)
+    try:
+        return pool.score([("42", "42"), ("41", "42")])
+    finally:
+        pool.close()
+
+
+@pytest.mark.multirank
+def test_a_rank_forked_after_the_parent_used_a_pool_scores_with_its_own():
+    """run_ranks forks the test process: a forkserver the parent started (an earlier test's RewardPool) is not the
+    rank's child, and the rank's pool failed with "ChildProcessError: No child processes" (megarl.testing resets it)."""
+    from megarl.testing import run_ranks
+
+    parent = RewardPool("exact_match", workers=1)
+    try:
+        assert parent.score([("1", "1")]) == [1.0]  # the parent's forkserver is running
+        assert run_ranks(2, _score_in_a_rank) == [[1.0, 0.0]] * 2
+        assert parent.score([("2", "1")]) == [0.0]  # and the parent's is untouched
+    finally:
+        parent.close()
+
+
+@pytest.mark.unit
+def test_hung_reward_is_killed_and_the_worker_keeps_scoring():
+    import time
+
+    pool = RewardPool("reward_fns:hangs_on_hang", workers=1, timeout_s=1.0)
+    try:
+        start = time.monotonic()
+        assert pool.score([("ok", None), ("hang", None), ("ok", None)]) == [1.0, 0.0, 1.0]
+        assert time.monotonic() - start < 10  # the hang was cut at ~1 s, not waited out
+        assert pool.errors and "timed out (> 1 s per response)" in pool.errors[0]
+        assert pool.take_errors() == 1
+        assert pool.score([("ok", None)]) == [1.0]  # the worker is still healthy
+    finally:
+        pool.close()
+
+
+@pytest.mark.unit
+def test_code_block_extraction_is_linear_and_takes_the_last_python_block():
+    import time
+
+    from megarl.rewards.code import extract_code
+
+    assert extract_code("a\n```python\nx = 1\n```\ntext\n```js\ny\n```\n```\nz = 2\n```") == "z = 2\n"
+    assert extract_code("```py\ncut off") == "cut off"
+    assert extract_code("no block") == "no block"
+    start = time.monotonic()
+    for hostile in ("```" * 200_000, "```python " + "a" * 1_000_000, ("```\n" + "x" * 1000) * 500):
+        extract_code(hostile)
+    assert time.monotonic() - start < 2
