@@ -170,17 +170,22 @@ def _gen_real_model_probe(d):
 
 
 def _gen_real_model_runs(d):
+    """One row per run (with its mean step time and where it goes), then each task's mean gain."""
     if not d.get("runs"):
         return "Not yet run: `benchmarks/results/real_model.json` holds no runs."
-    lines = ["| task | seed | steps | pass@1 before | after | gain | wall |", "|---|---|---|---|---|---|---|"]
+    lines = ["| task | seed | steps | pass@1 before | after | gain | wall | mean step: rollout / train / sync |",
+             "|---|---|---|---|---|---|---|---|"]
     by_task: dict[str, list[float]] = {}
     for r in sorted(d["runs"], key=lambda r: (r["task"], r["seed"])):
         gain = r["pass_at_1_after"] - r["pass_at_1_before"]
         by_task.setdefault(r["task"], []).append(gain)
+        t = r.get("step_breakdown_s", {})
+        step = f"{t['step']:.0f} s: {t.get('rollout', 0):.0f} / {t.get('train', 0):.0f} / {t.get('reshard', 0):.1f}" \
+            if "step" in t else ""
         lines.append(f"| {r['task']} | {r['seed']} | {r['steps']} | {_pct(r['pass_at_1_before'])} | "
-                     f"{_pct(r['pass_at_1_after'])} | {gain:+.1f} | {r['wall_s'] / 60:.0f} min |")
+                     f"{_pct(r['pass_at_1_after'])} | {gain:+.1f} | {r['wall_s'] / 60:.0f} min | {step} |")
     for task, gains in by_task.items():
-        lines.append(f"| **{task}** | mean of {len(gains)} | | | | **{sum(gains) / len(gains):+.1f}** | |")
+        lines.append(f"| **{task}** | mean of {len(gains)} | | | | **{sum(gains) / len(gains):+.1f}** | | |")
     return "\n".join(lines)
 
 

@@ -137,16 +137,10 @@ def run_one(task: str, config: dict, seed: int, steps: int, eval_every: int, wor
 
 
 def table(results: dict) -> str:
-    lines = ["| task | seed | pass@1 before | after | gain | wall |", "|---|---|---|---|---|---|"]
-    by_task: dict[str, list[float]] = {}
-    for r in sorted(results["runs"], key=lambda r: (r["task"], r["seed"])):
-        gain = r["pass_at_1_after"] - r["pass_at_1_before"]
-        by_task.setdefault(r["task"], []).append(gain)
-        lines.append(f"| {r['task']} | {r['seed']} | {r['pass_at_1_before']:.1f}% | {r['pass_at_1_after']:.1f}% | "
-                     f"{gain:+.1f} | {r['wall_s'] / 60:.0f} min |")
-    for task, gains in by_task.items():
-        lines.append(f"| **{task}** | mean of {len(gains)} | | | **{statistics.mean(gains):+.1f}** | |")
-    return "\n".join(lines)
+    """The documents' table of the runs (benchmarks/docs_numbers.py renders docs/real_tasks.md's from the same JSON)."""
+    from docs_numbers import GENERATORS
+
+    return GENERATORS["real-model-runs"](results)
 
 
 def plot(results: dict, path: str) -> str | None:
