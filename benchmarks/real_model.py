@@ -130,7 +130,7 @@ def run_one(task: str, config: dict, seed: int, steps: int, eval_every: int, wor
     curve = {step: row["eval/pass_at_1"] for step, row in eval_curve(run_dir).items()}
     return {"model": MODEL, "task": task, "seed": seed, "steps": steps,
             "pass_at_1_before": summary["pass_at_1_before"], "pass_at_1_after": summary["pass_at_1_after"],
-            "curve": [[0, summary["pass_at_1_before"]]] + sorted([s, v] for s, v in curve.items() if s > 0) +
+            "curve": [[0, summary["pass_at_1_before"]]] + sorted([s, v] for s, v in curve.items() if 0 < s < steps) +
                      [[steps, summary["pass_at_1_after"]]],
             "wall_s": round(wall, 1), "step_breakdown_s": step_breakdown(run_dir),
             "config": {"file": os.path.relpath(CONFIG, ROOT), "overrides": overrides[2:]}}
