@@ -5,19 +5,10 @@ import json
 import pytest
 
 from megarl.config import ConfigError
-from megarl.data import ChatTokenizer, DataError, load_prompts, prompt_source
+from megarl.data import DataError, load_prompts, prompt_source
 from megarl.trainer.config import DataConfig, load_train_config
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from megarl.models.tiny import write_char_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    write_char_tokenizer(str(path))
-    return ChatTokenizer.from_pretrained(str(path))
 
 
 def _jsonl(path, rows):

@@ -4,21 +4,12 @@ import json
 import pytest
 import torch
 
-from megarl.data import ChatTokenizer, DataError, load_prompts, load_sft_samples, pack_samples
+from megarl.data import DataError, load_prompts, load_sft_samples, pack_samples
 from megarl.data.chat import SFTSample, rows_to_tensors
 from megarl.data.synthetic import synthetic_splits
 from megarl.trainer.config import DataConfig, SyntheticConfig
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from megarl.models.tiny import write_char_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    write_char_tokenizer(str(path))
-    return ChatTokenizer.from_pretrained(str(path))
 
 
 def test_synthetic_splits_are_disjoint_and_correct():

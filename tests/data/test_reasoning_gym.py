@@ -4,22 +4,13 @@ import json
 import pytest
 
 from megarl.config import ConfigError
-from megarl.data import ChatTokenizer, DataError, load_prompts, load_sft_samples, prompt_source, read_records
+from megarl.data import DataError, load_prompts, load_sft_samples, prompt_source, read_records
 from megarl.data.reasoning_gym import problem_splits
 from megarl.rewards import RewardPool
 from megarl.rewards.reasoning_gym import reasoning_gym_reward
 from megarl.trainer.config import DataConfig, ReasoningGymConfig, load_train_config
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from megarl.models.tiny import write_char_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    write_char_tokenizer(str(path))
-    return ChatTokenizer.from_pretrained(str(path))
 
 
 def _data(**rg) -> DataConfig:
