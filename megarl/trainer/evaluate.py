@@ -23,7 +23,6 @@ from ..errors import about, on_rank0
 from ..evaluation import plot_pass_at_k
 from ..losses import compute_log_probs
 from ..reshard import engine_syncs
-from ..rewards import RewardPool
 from ..rollout import EngineRouter
 from ..rollout.fleet import EngineFleet
 from .async_rollout import version_name
@@ -31,6 +30,7 @@ from .batching import Sample, rank_batch
 from .checkpoint import latest_checkpoint
 from .metrics import over_last_stage
 from .rollout import Rollout
+from .workers import reward_pools
 from .setup import build_policy, init_parallel, moe_config_overrides, prepare_model_folder, prompt_tools, resolve_load
 
 
@@ -104,9 +104,7 @@ def run_eval(cfg, samples: int | None = None, responses: str | None = None, out:
         def start_rollout():
             nonlocal records, rewards, eval_rewards
             records = held_out_prompts(cfg, tok)
-            rewards = RewardPool(cfg.reward.name, cfg.reward.workers, cfg.reward.timeout_s, cfg.reward.kwargs)
-            if cfg.reward.eval_name not in (None, cfg.reward.name):  # the held-out set's own checker
-                eval_rewards = RewardPool(cfg.reward.eval_name, 1, cfg.reward.timeout_s)
+            rewards, eval_rewards = reward_pools(cfg.reward, 0)  # with the held-out set's own checker
 
         on_rank0(start_rollout)  # a bad data file fails before anything waits for an engine
         fleet.connect()

@@ -45,6 +45,15 @@ def choose_workers(mode: str, remote_engines: bool, groups, rank: int) -> tuple[
     return Workers(ranks.index(rank) if rank in ranks else 0, len(ranks), group), ranks
 
 
+def reward_pools(reward, rank: int) -> tuple[RewardPool, RewardPool | None]:
+    """The reward section's pool, and on rank 0 the held-out evaluation's own checker (reward.eval_name; None when it
+    is the training reward)."""
+    pool = RewardPool(reward.name, reward.workers, reward.timeout_s, reward.kwargs)
+    checker = RewardPool(reward.eval_name, 1, reward.timeout_s) \
+        if rank == 0 and reward.eval_name not in (None, reward.name) else None
+    return pool, checker
+
+
 def _listed(values):
     """JSON-ready: arrays (what the rollout holds) as lists; None stays None."""
     return values.tolist() if hasattr(values, "tolist") else values
@@ -72,10 +81,7 @@ class RolloutWorkers:
         with about(f"data.train={cfg.data.train}"):
             records = load_prompts(cfg.data.train, self.tok, cfg.data, "train", self.tools)
         self.stream = PromptStream(records, cfg.seed, cfg.data.shuffle)
-        self.rewards = RewardPool(cfg.reward.name, cfg.reward.workers, cfg.reward.timeout_s, cfg.reward.kwargs)
-        # held-out evaluation (rank 0) with its own checker (reward.eval_name)
-        self.eval_rewards = RewardPool(cfg.reward.eval_name, 1, cfg.reward.timeout_s) \
-            if self.rank == 0 and cfg.reward.eval_name not in (None, cfg.reward.name) else None
+        self.rewards, self.eval_rewards = reward_pools(cfg.reward, self.rank)
 
     def connect(self, fleet) -> None:
         """The workers' router over the policy engines, and the Rollout (with the teacher and the pools)."""
