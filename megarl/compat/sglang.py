@@ -41,7 +41,11 @@ USED_INTERNALS = {
     "sglang.srt.managers.mm_utils": ("def tensor_hash(",),  # megarl/reshard/verify.py
     "sglang.srt.entrypoints.openai.protocol": ("class Function(", "class Tool("),  # megarl/envs/tool_env.py
     "sglang.srt.function_call.function_call_parser": ("class FunctionCallParser",),
+    # megarl/reshard/sync.py: how the engine refuses a second weight-update window (taking over a dead trainer's)
+    "sglang.srt.managers.scheduler_components.weight_updater": ("a weight-update session is already open",),
 }
+# SGLang's answer to /begin_weight_update while a window is open (it keeps one per engine, whoever opened it)
+WEIGHT_WINDOW_OPEN = "a weight-update session is already open"
 
 
 def cpu_server_env(env: dict, seeded_sampling: bool) -> dict:

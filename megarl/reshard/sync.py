@@ -10,6 +10,7 @@ deadlock against another rank's collective. Rank 0 opens and closes the engine's
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 
@@ -17,10 +18,14 @@ import torch
 import torch.distributed as dist
 
 from .. import platform
+from ..compat import sglang as sglang_compat
 from ..rollout.client import EngineClient
+from ..rollout.server import EngineError
 from .buckets import DEFAULT_BUCKET_BYTES, BucketPacker
 from .transports import WeightSource
 from .verify import engine_dtypes, probe_sequences, verify_checksums, verify_probes
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,7 +58,7 @@ class WeightSync:
         rank = dist.get_rank()
         start = time.perf_counter()
         if rank == 0:
-            self.client.begin_weight_update()
+            self._open_window()
         dist.barrier()
         try:
             pushed_bytes, buckets = self.transport.send(self.source, version)
@@ -72,6 +77,24 @@ class WeightSync:
             stats.update(self.verify())
         self.last_stats = stats
         return stats
+
+    def _open_window(self) -> None:
+        """Open the engine's weight-update window. At this process's first sync, a window already open is a trainer's
+        that died mid-push (a run killed and resumed on the same engine): it is closed and reopened, since this push
+        replaces every weight and is verified. Later, an open window means another trainer pushes to this engine."""
+        try:
+            self.client.begin_weight_update()
+        except EngineError as e:
+            if sglang_compat.WEIGHT_WINDOW_OPEN not in str(e):
+                raise
+            if self.count:
+                raise EngineError(f"the engine at {self.client.url} has a weight-update window this run did not open: "
+                                  "another run pushes weights to it; give each run its own engines "
+                                  "(rollout.engine.urls)") from None
+            logger.warning("the engine at %s had a weight-update window open (a killed trainer's): closing it; this "
+                           "sync replaces and verifies every weight", self.client.url)
+            self.client.end_weight_update()
+            self.client.begin_weight_update()
 
     def _due(self, count: int) -> bool:
         return count == 1 or self.cfg.verify_every == 1 or bool(self.cfg.verify_every and

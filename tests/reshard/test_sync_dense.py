@@ -45,6 +45,44 @@ def test_sync_makes_engine_match_trainer(engine, name, layout, world, transport)
         assert r["stats"]["buckets"] >= 2  # 256 KiB buckets: the model went over in several
 
 
+def test_a_killed_trainers_open_window_is_taken_over(engine):
+    """A trainer killed mid-push leaves the engine's weight-update window open; the run resumed on the same engine
+    closes it at its first sync, pushes every weight and verifies them."""
+    EngineClient(engine.url).begin_weight_update()  # the killed trainer's window
+    r = run_ranks(2, ranks.sync_and_compare, tiny_model_dir("qwen2"), engine.url, {"tp": 2}, "tensor", 11)[0]
+    assert torch.tensor(r["engine"]).sub(torch.tensor(r["trainer"])).abs().max() < 1e-3
+    assert r["stats"]["verified_tensors"] > 20 and r["stats"]["probe_max_abs_diff"] < 1e-3
+    with pytest.raises(EngineError, match="no weight-update session is open"):
+        EngineClient(engine.url).end_weight_update()  # the sync closed its window
+
+
+def test_a_window_opened_by_another_run_later_is_an_error():
+    """After this process's first sync an open window is another run's: named, not taken over."""
+    from types import SimpleNamespace
+
+    from megarl.compat.sglang import WEIGHT_WINDOW_OPEN
+    from megarl.reshard.sync import WeightSync
+
+    class Engine:  # the two answers of SGLang's /begin_weight_update that matter here
+        url, calls = "http://engine:1", []
+
+        def begin_weight_update(self):
+            self.calls.append("begin")
+            if self.calls.count("begin") == 1:
+                raise EngineError(f"SGLang rejected /begin_weight_update (HTTP 400): {WEIGHT_WINDOW_OPEN}; ...")
+
+        def end_weight_update(self):
+            self.calls.append("end")
+
+    first = SimpleNamespace(client=Engine(), count=0)
+    WeightSync._open_window(first)
+    assert first.client.calls == ["begin", "end", "begin"]
+    later = SimpleNamespace(client=Engine(), count=3)
+    later.client.calls = []
+    with pytest.raises(EngineError, match="another run pushes weights to it"):
+        WeightSync._open_window(later)
+
+
 def _corrupt_layer_2(transport):
     return ranks.ZeroSliceOf(transport, "model.layers.2.mlp.down_proj.weight")
 
