@@ -10,29 +10,84 @@ statistics need a prompt's samples on one rank.
 """
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
-
-from .registry import registrar
 import torch.distributed as dist
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
-register_advantage = registrar(ADVANTAGE_ESTIMATORS)
-# Estimators whose baseline comes from the other samples of the same prompt: with one sample per prompt every
-# advantage is 0 (or, for rloo, undefined). TrainConfig.validate checks rollout.n_samples against this.
-NEEDS_GROUPS = {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo", "maxrl", "opo", "gpg", "grpo_passk"}
-# Estimators that honour algorithm.std_normalize (divide by the group's reward std).
-STD_NORMALIZED = {"grpo", "grpo_passk", "gdpo", "opd"}  # opd: in its task-reward mix
-# Estimators whose baseline is the reward of one greedy (temperature 0) rollout of the same prompt: the rollout asks
-# the engine for it (not trained on), scores it with the same reward and hands it in as `baseline` per sample.
-GREEDY_BASELINE = {"remax"}
-# Estimators that need a teacher's log-probs of the sampled tokens (the `teacher:` config section): the rollout asks the
-# teacher engine for them and they travel with each sample (PackedRollout.teacher_log_probs).
-NEEDS_TEACHER = {"opd"}
-# Estimators whose returns are the per-token log-ratio log pi_teacher - log pi_student of the sampled tokens: the trainer
-# logs their masked mean's negative as opd/reverse_kl, the sampled KL(student || teacher).
-RETURNS_TEACHER_LOG_RATIO = {"opd"}
+
+@dataclass
+class AdvantageInputs:
+    """Everything an estimator may read; each one declares (as keyword-only parameters of the same names) the fields
+    it reads and gets only those. [b, s] tensors are per token, [b] per sample."""
+    mask: torch.Tensor  # [b, s] 1 on trained response tokens
+    scores: torch.Tensor | None = None  # [b] one reward per sample (gdpo: [b, k], one column per reward)
+    group_ids: torch.Tensor | None = None  # [b] the prompt each sample belongs to
+    values: torch.Tensor | None = None  # [b, s] a critic's values (gae)
+    token_rewards: torch.Tensor | None = None  # [b, s] per-token rewards (gae; default: the score on the last token)
+    kl: torch.Tensor | None = None  # [b, s] KL(policy || reference) per token, for KL in the reward
+    baseline: torch.Tensor | None = None  # [b] the score of each sample's greedy rollout (greedy_baseline)
+    teacher_log_probs: torch.Tensor | None = None  # [b, s] the teacher's log-probs of the sampled tokens (needs_teacher)
+    student_log_probs: torch.Tensor | None = None  # [b, s] the policy's old log-probs of them
+    kl_coef: float = 0.0
+    gamma: float = 1.0
+    lam: float = 0.95
+    eps: float = 1e-6
+    std_normalize: bool = True
+    whiten_advantages: bool = False
+    reward_weights: list | None = None
+    opd_reward_weight: float = 0.0
+    opd_top_k: int = 0
+    group: object = None  # the data-parallel ProcessGroup batch statistics reduce over (None: this rank's batch)
+
+
+INPUT_NAMES = frozenset(f.name for f in fields(AdvantageInputs))
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """A registered estimator: the function, the AdvantageInputs fields it reads (which also says which algorithm
+    options apply to it: std_normalize, reward_weights, ...), and what the trainer must do for it (each flag is read
+    where that is decided: the config check, the rollout, the step's metrics)."""
+    fn: Callable
+    reads: frozenset
+    # its baseline comes from the other samples of the same prompt: rollout.n_samples must be >= 2
+    needs_groups: bool = False
+    # its baseline is the reward of one greedy (temperature 0) rollout of the same prompt: the rollout asks the engine
+    # for it (never trained on), scores it with the same reward and hands it in as `baseline` per sample
+    greedy_baseline: bool = False
+    # it needs a teacher's log-probs of the sampled tokens (the teacher: section); they travel with each sample
+    needs_teacher: bool = False
+    # its returns are the per-token log-ratio log pi_teacher - log pi_student: the trainer logs their masked mean's
+    # negative as opd/reverse_kl, the sampled KL(student || teacher)
+    returns_teacher_log_ratio: bool = False
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register_advantage(name: str, **capabilities):
+    """@register_advantage("name", needs_groups=True, ...): a function with keyword-only parameters named after
+    AdvantageInputs fields (those it reads), returning (advantages [b, s], returns [b, s]), zero outside the mask."""
+    def add(fn: Callable) -> Callable:
+        params = inspect.signature(fn).parameters.values()
+        reads = frozenset(p.name for p in params)
+        odd = [p.name for p in params if p.kind is not p.KEYWORD_ONLY] + sorted(reads - INPUT_NAMES)
+        if odd:
+            raise TypeError(f"advantage estimator {name!r}: parameters {odd} are not keyword-only AdvantageInputs "
+                            f"fields (those are {sorted(INPUT_NAMES)})")
+        ADVANTAGE_ESTIMATORS[name] = Estimator(fn, reads, **capabilities)
+        return fn
+    return add
+
+
+def estimator(name: str) -> Estimator:
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"algorithm.advantage_estimator={name!r} is unknown; choose one of "
+                         f"{sorted(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[name]
 
 
 def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor):
@@ -97,7 +152,7 @@ def last_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
 @register_advantage("gae")
 def gae(*, values: torch.Tensor, mask: torch.Tensor, token_rewards: torch.Tensor | None = None,
         scores: torch.Tensor | None = None, kl: torch.Tensor | None = None, kl_coef: float = 0.0,
-        gamma: float = 1.0, lam: float = 0.95, whiten_advantages: bool = False, group=None, **_):
+        gamma: float = 1.0, lam: float = 0.95, whiten_advantages: bool = False, group=None):
     """Generalised advantage estimation (arXiv:1506.02438) with a critic's values [b, s] (value of the state before
     each token): A_t = sum_l (gamma*lam)^l delta_{t+l}, delta_t = r_t + gamma V_{t+1} - V_t; returns A_t + V_t.
 
@@ -125,9 +180,9 @@ def gae(*, values: torch.Tensor, mask: torch.Tensor, token_rewards: torch.Tensor
     return advantages, returns
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", needs_groups=True)
 def grpo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6,
-         std_normalize: bool = True, **_):
+         std_normalize: bool = True):
     """GRPO (arXiv:2402.03300): (r - group mean) / (group std + eps), the same for every token of the sample; with
     std_normalize=False, r - group mean (= dr_grpo)."""
     mean, std, _ = _group_stats(scores, group_ids)
@@ -135,15 +190,15 @@ def grpo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, e
     return _broadcast(adv, mask), _broadcast(scores, mask)
 
 
-@register_advantage("dr_grpo")
-def dr_grpo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, **_):
+@register_advantage("dr_grpo", needs_groups=True)
+def dr_grpo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor):
     """Dr. GRPO: r - group mean (no std division); pair with aggregation seq-mean-token-sum-norm."""
     mean, _, _ = _group_stats(scores, group_ids)
     return _broadcast(scores - mean, mask), _broadcast(scores, mask)
 
 
-@register_advantage("rloo")
-def rloo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, **_):
+@register_advantage("rloo", needs_groups=True)
+def rloo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor):
     """RLOO: r_i - mean of the other samples of the same prompt."""
     mean, _, counts = _group_stats(scores, group_ids)
     if bool((counts < 2).any()):
@@ -154,7 +209,7 @@ def rloo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, *
 
 @register_advantage("reinforce_plus_plus")
 def reinforce_plus_plus(*, scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
-                        kl_coef: float = 0.0, gamma: float = 1.0, group=None, **_):
+                        kl_coef: float = 0.0, gamma: float = 1.0, group=None):
     """REINFORCE++: token rewards (score on the last token, -kl_coef*kl on every token), discounted returns,
     whitened over the global batch."""
     rewards = last_token_rewards(scores, mask)
@@ -164,18 +219,18 @@ def reinforce_plus_plus(*, scores: torch.Tensor, mask: torch.Tensor, kl: torch.T
     return masked_whiten(returns, mask, group), returns
 
 
-@register_advantage("reinforce_plus_plus_baseline")
+@register_advantage("reinforce_plus_plus_baseline", needs_groups=True)
 def reinforce_plus_plus_baseline(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor,
                                  kl: torch.Tensor | None = None, kl_coef: float = 0.0, gamma: float = 1.0,
-                                 group=None, **_):
+                                 group=None):
     """REINFORCE++-baseline: subtract the group mean score first, then as REINFORCE++."""
     mean, _, _ = _group_stats(scores, group_ids)
     return reinforce_plus_plus(scores=scores - mean, mask=mask, kl=kl, kl_coef=kl_coef, gamma=gamma, group=group)
 
 
-@register_advantage("gdpo")
+@register_advantage("gdpo", needs_groups=True)
 def gdpo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, reward_weights=None,
-         eps: float = 1e-6, group=None, std_normalize: bool = True, **_):
+         eps: float = 1e-6, group=None, std_normalize: bool = True):
     """GDPO (multi-reward, arXiv:2601.05242): normalise each reward column k within its group,
     (r_k - mean_k) / (std_k + eps), combine with reward_weights, then whiten the combined advantage over the global
     batch. std_normalize=False keeps only the per-reward centring, r_k - mean_k (GDPO without std normalisation);
@@ -197,8 +252,8 @@ def gdpo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, r
     return adv, _broadcast(scores @ weights, mask)
 
 
-@register_advantage("maxrl")
-def maxrl(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, **_):
+@register_advantage("maxrl", needs_groups=True)
+def maxrl(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor):
     """MaxRL, Maximum Likelihood RL (arXiv:2602.02710): A_i = (r_i - mean_g) / mean_g = N r_i / K - 1 for a group of
     N samples with K = sum_i r_i successes; 0 for a group without success (mean_g = 0).
 
@@ -214,8 +269,8 @@ def maxrl(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, 
     return _broadcast(adv, mask), _broadcast(scores, mask)
 
 
-@register_advantage("opo")
-def opo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, **_):
+@register_advantage("opo", needs_groups=True)
+def opo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor):
     """OPO, On-Policy RL with the Optimal reward baseline (arXiv:2505.23585): A_i = r_i - b_g with the
     length-weighted baseline b_g = sum_j |o_j| r_j / sum_j |o_j| over the group (|o_j| = response tokens of sample j),
     the variance-minimising baseline when the gradient norm grows with length. A group of one sample has b = 0."""
@@ -227,8 +282,8 @@ def opo(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, **
     return _broadcast(scores - baseline[inverse], mask), _broadcast(scores, mask)
 
 
-@register_advantage("gpg")
-def gpg(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, group=None, **_):
+@register_advantage("gpg", needs_groups=True)
+def gpg(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, group=None):
     """GPG, Group Policy Gradient (arXiv:2504.02546): A_i = alpha * (r_i - group mean) (F_norm = 1: no std
     division), with alpha = B / (B - M), B the samples of the global batch and M those in groups whose rewards are
     all equal (their advantage is 0, so without alpha they would dilute the batch gradient). B and M are summed over
@@ -242,9 +297,9 @@ def gpg(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, gr
     return _broadcast(alpha * (scores - mean), mask), _broadcast(scores, mask)
 
 
-@register_advantage("grpo_passk")
+@register_advantage("grpo_passk", needs_groups=True)
 def grpo_passk(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6,
-               std_normalize: bool = True, **_):
+               std_normalize: bool = True):
     """GRPO pass@k (arXiv:2503.19595, verl's grpo_passk): optimise the best-of-group (pass@k with k = group size)
     instead of pass@1. Only each group's best sample gets an advantage, r_max - r_second_max (divided by the group's
     std + eps with std_normalize); every other sample gets 0. Ties at the top give 0, so which tied sample is
@@ -262,8 +317,8 @@ def grpo_passk(*, scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Ten
     return _broadcast(adv, mask), _broadcast(scores, mask)
 
 
-@register_advantage("remax")
-def remax(*, scores: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor | None = None, **_):
+@register_advantage("remax", greedy_baseline=True)
+def remax(*, scores: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor | None = None):
     """ReMax (arXiv:2310.10505): A_i = r_i - r(greedy response of the same prompt), the greedy rollout's reward as
     the baseline (`baseline` [b], one per sample: its prompt's greedy reward, scored by the same reward function)."""
     if baseline is None or baseline.shape != scores.shape:
@@ -271,10 +326,10 @@ def remax(*, scores: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor | 
     return _broadcast(scores - baseline.to(scores.dtype), mask), _broadcast(scores, mask)
 
 
-@register_advantage("opd")
+@register_advantage("opd", needs_teacher=True, returns_teacher_log_ratio=True)
 def opd(*, teacher_log_probs: torch.Tensor, student_log_probs: torch.Tensor, mask: torch.Tensor,
         scores: torch.Tensor | None = None, group_ids: torch.Tensor | None = None, opd_reward_weight: float = 0.0,
-        opd_top_k: int = 0, eps: float = 1e-6, std_normalize: bool = True, **_):
+        opd_top_k: int = 0, eps: float = 1e-6, std_normalize: bool = True):
     """On-policy distillation (Thinking Machines' "On-Policy Distillation"; slime / verl's OPD): the per-token
     reverse-KL advantage A_t = log pi_teacher(y_t | y_<t) - log pi_student(y_t | y_<t) of each token the student
     sampled, so the policy gradient minimises the sampled reverse KL(student || teacher) token by token (no discount,
@@ -296,7 +351,8 @@ def opd(*, teacher_log_probs: torch.Tensor, student_log_probs: torch.Tensor, mas
 
 
 def compute_advantages(name: str, **inputs):
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"algorithm.advantage_estimator={name!r} is unknown; choose one of "
-                         f"{sorted(ADVANTAGE_ESTIMATORS)}")
-    return ADVANTAGE_ESTIMATORS[name](**inputs)
+    """(advantages, returns) of estimator `name`: `inputs` are AdvantageInputs fields (a name that is not one is a
+    TypeError, not silently dropped); the estimator gets those it reads."""
+    chosen = estimator(name)
+    given = AdvantageInputs(**inputs)  # unknown names raise here
+    return chosen.fn(**{key: getattr(given, key) for key in chosen.reads})

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import UserError
-from .advantages import ADVANTAGE_ESTIMATORS, STD_NORMALIZED
+from .advantages import ADVANTAGE_ESTIMATORS
 from .aggregation import AGGREGATIONS
 from .kl import KL_ESTIMATORS, TOP_K_KL
 from .mismatch import MISMATCH_MODES
@@ -134,12 +134,15 @@ class AlgorithmConfig:
             raise AlgorithmConfigError("algorithm.advantage_estimator=dr_grpo removes length normalisation, but "
                                        "aggregation=seq-mean-token-mean puts it back. Fix: aggregation: "
                                        "seq-mean-token-sum-norm (or token-mean).")
-        if self.reward_weights is not None and self.advantage_estimator != "gdpo":
+        # what the chosen estimator reads (its registry entry: megarl.algorithms.advantages.register_advantage)
+        if self.reward_weights is not None and "reward_weights" not in ADVANTAGE_ESTIMATORS[
+                self.advantage_estimator].reads:
             raise AlgorithmConfigError("algorithm.reward_weights is only used by advantage_estimator=gdpo.")
-        if not self.std_normalize and self.advantage_estimator not in STD_NORMALIZED:
+        if not self.std_normalize and "std_normalize" not in ADVANTAGE_ESTIMATORS[self.advantage_estimator].reads:
+            normalising = sorted(n for n, e in ADVANTAGE_ESTIMATORS.items() if "std_normalize" in e.reads)
             raise AlgorithmConfigError(
                 f"algorithm.std_normalize=false has no effect with advantage_estimator={self.advantage_estimator!r}. "
-                f"Fix: use one of {sorted(STD_NORMALIZED)}, or drop std_normalize.")
+                f"Fix: use one of {normalising}, or drop std_normalize.")
         if self.whiten_advantages and self.advantage_estimator != "gae":
             raise AlgorithmConfigError(
                 f"algorithm.whiten_advantages=true is only used by advantage_estimator=gae (got "

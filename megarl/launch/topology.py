@@ -259,8 +259,10 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
     started_by = "trainer" if placement == "colocated" and nnodes == 1 else "nodes"
     # the other models' pools that rank 0 starts take GPUs of its node after the policy engines' (megarl.rollout.pools)
     from ..rollout.pools import model_pools
+    from ..trainer.config import fleet_spec
 
-    started_pools = [(name, pool) for name, pool in model_pools(cfg) if pool.model]
+    fleet = fleet_spec(cfg)  # the servers the run starts, as megarl.rollout.fleet starts them
+    started_pools = [(name, pool) for name, pool in model_pools(fleet) if pool.model]
     pool_gpus = sum(pool.num_engines * pool.tp_size for _, pool in started_pools) if on_gpu else 0
     if pool_gpus and started_by == "trainer":  # the policy engines leave those GPUs to the pools
         per_node = (gpus_per_node - pool_gpus) // engine_tp
@@ -277,12 +279,12 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
             gpus = tuple(range(k * engine_tp, (k + 1) * engine_tp)) if on_gpu else ()
             if started_by == "trainer":  # as megarl.trainer.rl starts them: localhost, a free port
                 port, url = None, "http://127.0.0.1:<free port>"
-                line = engine_command(cfg, model_path, len(engines), host="127.0.0.1", port=None,
+                line = engine_command(fleet, model_path, len(engines), host="127.0.0.1", port=None,
                                       base_gpu=gpus[0] if k and on_gpu else None, on_gpu=on_gpu)
             else:
                 port = ENGINE_PORT + k
                 url = f"http://{hosts[node]}:{port}"
-                line = engine_command(cfg, model_path, len(engines), host="0.0.0.0", port=port,
+                line = engine_command(fleet, model_path, len(engines), host="0.0.0.0", port=port,
                                       base_gpu=gpus[0] if on_gpu else None, on_gpu=on_gpu)
             engines.append(Engine(index=len(engines), node=node, host=hosts[node], gpus=gpus, port=port, url=url,
                                   command=line))
@@ -308,7 +310,7 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
             notes.append("disaggregated: the engines join the weight-broadcast group at trainer rank 0's host name "
                          "(socket.gethostname()); set reshard.master_address if the engines reach it by another name")
 
-    pool_servers = _pool_servers(cfg, started_pools, engine_tp * len(engines) if started_by == "trainer" else 0,
+    pool_servers = _pool_servers(fleet, started_pools, engine_tp * len(engines) if started_by == "trainer" else 0,
                                  gpus_per_node, on_gpu)
     if started_pools and on_gpu:
         notes.append(f"the engine pools {[n for n, _ in started_pools]} are started by trainer rank 0 on node "
@@ -360,16 +362,16 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
                     stage_layers=stage_layers, pipeline_split=split, device=device, memory=memory,
                     engine_memory=engine_mem, memory_missing=missing,
                     distributed_optimizer=cfg.optim.distributed_optimizer, pool_servers=tuple(pool_servers),
-                    pool_urls={name: list(pool.urls) for name, pool in model_pools(cfg) if pool.urls})
+                    pool_urls={name: list(pool.urls) for name, pool in model_pools(fleet) if pool.urls})
 
 
-def _pool_servers(cfg, started_pools: list, policy_gpus: int, gpus_per_node: int, on_gpu: bool) -> list:
+def _pool_servers(fleet, started_pools: list, policy_gpus: int, gpus_per_node: int, on_gpu: bool) -> list:
     """The servers of the pools rank 0 starts, as megarl.rollout.pools starts them (their GPUs after the policy
     engines' `policy_gpus` on rank 0's node); a TopologyError when they do not fit on the node."""
     from ..rollout.pools import first_gpus, pool_server_config
     from ..rollout.server import server_command
 
-    first = first_gpus(cfg, policy_gpus)
+    first = first_gpus(fleet, policy_gpus)
     servers = []
     for name, pool in started_pools:
         for i in range(pool.num_engines):
@@ -379,19 +381,19 @@ def _pool_servers(cfg, started_pools: list, policy_gpus: int, gpus_per_node: int
                     f"pools.{name}: server {i} would need GPU {gpus[-1]} on trainer rank 0's node, which has "
                     f"{gpus_per_node} (GPUs 0-{first[name] - 1} go to the policy engines and the pools before it). "
                     f"Fix: start it elsewhere and set pools.{name}.urls, or lower pools.{name}.num_engines / tp_size")
-            cmd, _ = server_command(pool_server_config(cfg, name, pool, i, policy_gpus), "FREE_PORT", on_gpu=on_gpu)
+            cmd, _ = server_command(pool_server_config(fleet, name, pool, i, policy_gpus), "FREE_PORT", on_gpu=on_gpu)
             servers.append(PoolServer(pool=name, gpus=gpus, command=shlex.join(["python"] + cmd[1:])))
     return servers
 
 
-def engine_command(cfg, model_path: str, index: int, host: str, port: Optional[int],
+def engine_command(fleet, model_path: str, index: int, host: str, port: Optional[int],
                    base_gpu: Optional[int], on_gpu: bool = True) -> str:
     """megarl.rollout.server.server_command for the planned device (the one builder; a dry run plans for GPU nodes
     from anywhere), printed with `python` for the interpreter. Pre-launched engines add --base-gpu-id so each engine on a
     node gets its own GPUs; port None prints FREE_PORT (the trainer picks one)."""
     from ..rollout.server import engine_server_config, server_command
 
-    cmd, _ = server_command(engine_server_config(cfg, model_path, index, host=host, port=port, base_gpu_id=base_gpu),
+    cmd, _ = server_command(engine_server_config(fleet, model_path, index, host=host, port=port, base_gpu_id=base_gpu),
                             "FREE_PORT" if port is None else port, on_gpu=on_gpu)
     return shlex.join(["python"] + cmd[1:])
 

@@ -265,11 +265,9 @@ def preference_objective(log_prob: torch.Tensor, entropy: torch.Tensor, batch: T
     return loss, metrics
 
 
-OBJECTIVES: dict[str, Callable] = {"rl": rl_objective, "sft": sft_objective, "preference": preference_objective}
-
-
-def value_objective(values: torch.Tensor, batch: TokenBatch, cfg: AlgorithmConfig) -> tuple[torch.Tensor, dict]:
-    """Critic: sum_t clipped value loss_t * loss_weight_t over the response tokens."""
+def value_objective(values: torch.Tensor, batch: TokenBatch, cfg: AlgorithmConfig, cp_group=None
+                    ) -> tuple[torch.Tensor, dict]:
+    """Critic: sum_t clipped value loss_t * loss_weight_t over the response tokens (per token: no CP reduction)."""
     mask = batch.loss_mask
     per_token, stats = value_loss(values, batch.old_values, batch.returns, cfg.value_clip)
     metrics = {"mean/value_loss": _mean_stat(per_token, mask), "mean/values": _mean_stat(values, mask),
@@ -284,23 +282,24 @@ def values_from_head(output: torch.Tensor) -> torch.Tensor:
     return output[..., 0].float()
 
 
-def make_value_loss_func(batch: TokenBatch, cfg: AlgorithmConfig, *, num_microbatches: int, pg,
-                         dp_size: int | None = None):
-    """The critic's loss_func for one micro-batch (same scaling as make_loss_func; pg as there)."""
-    if batch.loss_weight is None:
-        raise ValueError("batch.loss_weight is not set: call prepare_global_batch() on the global batch first")
-    dp_size = dp_size if dp_size is not None else pg.dp.size()
+@dataclass(frozen=True)
+class Objective:
+    """An objective of the loss functions: fn(inputs, batch, cfg, cp_group=..., ...) -> (sum of the micro-batch's
+    weighted per-token losses, metrics). reads: "log_probs", the LM head's output turned into each target token's
+    log-prob and the entropy (fn(log_prob, entropy, batch, cfg, ...)); "values", a value head's output, [b, s, 1]
+    complete on every TP rank (fn(values, batch, cfg, ...))."""
+    fn: Callable
+    reads: str = "log_probs"
 
-    def loss_func(output: torch.Tensor):
-        loss, metrics = value_objective(values_from_head(output), batch, cfg)
-        metrics["loss"] = torch.stack([loss.detach(), torch.ones(())])
-        return loss * (num_microbatches * dp_size), metrics
 
-    return loss_func
+OBJECTIVES: dict[str, Objective] = {"rl": Objective(rl_objective), "sft": Objective(sft_objective),
+                                    "preference": Objective(preference_objective),
+                                    "value": Objective(value_objective, reads="values")}
 
 
 # ---------------------------------------------------------------------------------------------- Megatron adapter
-def make_loss_func(batch: TokenBatch, cfg: AlgorithmConfig | None, *, num_microbatches: int, vocab_size: int, pg,
+def make_loss_func(batch: TokenBatch, cfg: AlgorithmConfig | None, *, num_microbatches: int, pg,
+                   vocab_size: int | None = None,
                    objective: str = "rl", temperature: float | None = None, tp_group=None, cp_group=None,
                    dp_size: int | None = None, model_config=None, packing=None):
     """The loss_func a forward_step_func returns to Megatron's schedule, for one micro-batch.
@@ -313,6 +312,8 @@ def make_loss_func(batch: TokenBatch, cfg: AlgorithmConfig | None, *, num_microb
     packing: the micro-batch's megarl.models.forward.PackedLayout when the model ran on its rows packed into one
     (algorithm.pack_sequences): the output is then [1, total, ...]; log-probs and entropy are computed there and
     unpacked to [b, s] before the objective, which sees exactly what the padded forward gives.
+    objective: a name in OBJECTIVES (rl, sft, preference; value: the critic's, on its value head's output, which
+    needs no vocab_size).
     """
     if model_config is not None and getattr(model_config, "calculate_per_token_loss", False):
         raise ValueError("megarl's loss functions normalise by global counts themselves; set "
@@ -324,7 +325,19 @@ def make_loss_func(batch: TokenBatch, cfg: AlgorithmConfig | None, *, num_microb
         cp_group = pg.cp
     dp_size = dp_size if dp_size is not None else pg.dp.size()
     temperature = temperature if temperature is not None else (cfg.temperature if cfg is not None else 1.0)
-    fn = OBJECTIVES[objective]
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective={objective!r} is unknown; choose one of {sorted(OBJECTIVES)}")
+    fn = OBJECTIVES[objective].fn
+    if OBJECTIVES[objective].reads == "values":
+        def value_loss_func(output: torch.Tensor):
+            values = values_from_head(output if packing is None else packing.unpack(output))
+            loss, metrics = fn(values, batch, cfg, cp_group=cp_group)
+            metrics["loss"] = torch.stack([loss.detach(), torch.ones(())])
+            return loss * (num_microbatches * dp_size), metrics
+
+        return value_loss_func
+    if vocab_size is None:
+        raise ValueError(f"objective={objective!r} computes log-probs over the vocabulary: pass vocab_size")
 
     def loss_func(output):
         token_ids, extra = batch.targets, {}  # [b, s]

@@ -10,7 +10,7 @@ from ..algorithms import AlgorithmConfig
 from ..models.forward import causal_inputs, packed_layouts
 from ..models.moe import replay_routing
 from .fused_linear import head_input, logprob_entropy
-from .rl import TokenBatch, make_loss_func, make_value_loss_func, reduce_metrics, values_from_head
+from .rl import OBJECTIVES, TokenBatch, make_loss_func, reduce_metrics, values_from_head
 
 
 def run_schedule(model, micro_batches: list[TokenBatch], loss_func_for, forward_only: bool = False,
@@ -116,12 +116,6 @@ def _resolve_pack(pack: bool | None, cfg) -> bool | None:
     return None if value is None else bool(value)
 
 
-def _on_rows(loss_func, packing):
-    """A loss function of [b, s, ...] outputs, fed from a packed forward whose output is per token and complete on
-    every TP rank ([1, total, ...], e.g. the critic's value head): the output is unpacked first."""
-    return loss_func if packing is None else (lambda output: loss_func(packing.unpack(output)))
-
-
 def forward_backward(model, global_batch: TokenBatch, num_microbatches: int, cfg, vocab_size: int,
                      objective: str = "rl", pack: bool | None = None, *, pg) -> list:
     """Accumulate gradients of this rank's share of a prepared global batch; returns the loss functions' metrics.
@@ -132,10 +126,9 @@ def forward_backward(model, global_batch: TokenBatch, num_microbatches: int, cfg
     micro_batches = global_batch.split(num_microbatches)
     config = _unwrap(model[0]).config
     pack = _resolve_pack(pack, cfg)
-    if objective == "value":  # the critic: its "logits" are the value head's output
-        return run_schedule(model, micro_batches, lambda b, p: _on_rows(
-            make_value_loss_func(b, cfg, num_microbatches=num_microbatches, pg=pg), p), pack=pack, pg=pg)
-    fused = cfg.fused_logprobs if cfg is not None else True
+    # log-prob objectives: from the fused output layer unless cfg.fused_logprobs is false; the critic's value head
+    # is its output layer
+    fused = (cfg.fused_logprobs if cfg is not None else True) and OBJECTIVES[objective].reads == "log_probs"
     return run_schedule(model, micro_batches, lambda b, p: make_loss_func(
         b, cfg, num_microbatches=num_microbatches, vocab_size=vocab_size, objective=objective, model_config=config,
         packing=p, pg=pg), fused_head=fused, pack=pack, pg=pg)

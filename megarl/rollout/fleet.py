@@ -1,6 +1,6 @@
 """The engine fleet: every SGLang server a run uses, and the clients every rank reaches them with.
 
-    fleet = EngineFleet(cfg, model_path, rank)   # rank 0 launches the servers this job runs (CPU: at once)
+    fleet = EngineFleet(spec, model_path, rank)  # rank 0 launches the servers this job runs (CPU: at once)
     ...build the trainer...
     fleet.connect()                              # a collective: rank 0 waits for them; every rank gets the URLs
     fleet.clients                                # the policy engines: the only ones weight syncs reach
@@ -18,42 +18,42 @@ from .. import platform
 from ..errors import on_rank0
 from .client import EngineClient
 from .pools import EnginePools, pool_server_config
-from .server import SGLangServer, engine_server_config
+from .server import FleetSpec, SGLangServer, engine_server_config
 from .teacher import Teacher
 
 
-def launch_policy_engines(cfg, model_path: str, rank: int, now: bool = False) -> list[SGLangServer]:
+def launch_policy_engines(spec: FleetSpec, model_path: str, rank: int, now: bool = False) -> list[SGLangServer]:
     """Rank 0: the policy engines this job runs itself (none with rollout.engine.urls), launched (not yet ready).
     Several engines on one node take their own GPUs."""
-    e = cfg.rollout.engine
+    e = spec.engine
     if rank != 0 or e.urls or (platform.on_gpu() and not now):
         return []
-    return [SGLangServer(engine_server_config(cfg, model_path, i, base_gpu_id=i * e.tp_size if i else None)).launch()
+    return [SGLangServer(engine_server_config(spec, model_path, i, base_gpu_id=i * e.tp_size if i else None)).launch()
             for i in range(e.num_engines)]
 
 
-def launch_teacher(cfg, rank: int, now: bool = False) -> SGLangServer | None:
+def launch_teacher(spec: FleetSpec, rank: int, now: bool = False) -> SGLangServer | None:
     """opd with teacher.model: rank 0 launches ONE more server for the teacher through the policy engines'
     ServerConfig builder (its own log folder, TP size and dtype; GPUs after the policy engines'), at the same moment
     as those."""
-    if rank != 0 or not cfg.teacher.model or (platform.on_gpu() and not now):
+    if rank != 0 or spec.teacher is None or not spec.teacher.model or (platform.on_gpu() and not now):
         return None
-    return SGLangServer(pool_server_config(cfg, "teacher", cfg.teacher)).launch()  # the teacher is a pool too
+    return SGLangServer(pool_server_config(spec, "teacher", spec.teacher)).launch()  # the teacher is a pool too
 
 
 class EngineFleet:
-    def __init__(self, cfg, model_path: str, rank: int):
-        self.cfg, self.model_path, self.rank = cfg, model_path, rank
+    def __init__(self, spec: FleetSpec, model_path: str, rank: int):
+        self.spec, self.model_path, self.rank = spec, model_path, rank
         self.servers: list[SGLangServer] = []
         self.teacher_server: SGLangServer | None = None
-        self.pools = EnginePools(cfg, rank)
+        self.pools = EnginePools(spec, rank)
         self.clients: list[EngineClient] = []
         self.urls: list[str] = []
         self._teacher_urls: list[str] = []
         self._pool_urls: dict[str, list[str]] = {}
         try:
-            self.servers = launch_policy_engines(cfg, model_path, rank)
-            self.teacher_server = launch_teacher(cfg, rank)
+            self.servers = launch_policy_engines(spec, model_path, rank)
+            self.teacher_server = launch_teacher(spec, rank)
             self.pools.launch()
         except BaseException:
             self.stop()
@@ -67,27 +67,26 @@ class EngineFleet:
     def connect(self) -> "EngineFleet":
         """A collective: rank 0 launches what is still to launch (GPU) and waits until its servers generate; every
         rank gets the URLs and a client per policy engine."""
-        cfg = self.cfg
         self.urls = on_rank0(self._policy_urls)
-        self._teacher_urls = on_rank0(self._teacher) if cfg.teacher.enabled else []
-        self._pool_urls = on_rank0(self.pools.wait_ready) if cfg.pools else {}
+        self._teacher_urls = on_rank0(self._teacher) if self.spec.teacher is not None else []
+        self._pool_urls = on_rank0(self.pools.wait_ready) if self.spec.pools else {}
         self.clients = [EngineClient(server=s) for s in self.servers] if self.servers else \
             [EngineClient(u) for u in self.urls]
         return self
 
     def _policy_urls(self) -> list[str]:
-        if self.cfg.rollout.engine.urls:
-            return list(self.cfg.rollout.engine.urls)
-        self.servers = self.servers or launch_policy_engines(self.cfg, self.model_path, self.rank, now=True)
+        if self.spec.engine.urls:
+            return list(self.spec.engine.urls)
+        self.servers = self.servers or launch_policy_engines(self.spec, self.model_path, self.rank, now=True)
         return [server.wait_ready().url for server in self.servers]
 
     def _teacher(self) -> list[str]:
         """Rank 0: the teacher's URLs (teacher.urls, tokenizers checked where visible; or its server, once it
         generates)."""
-        if self.cfg.teacher.urls:
-            Teacher([EngineClient(u) for u in self.cfg.teacher.urls]).check_tokenizer(self.model_path)
-            return list(self.cfg.teacher.urls)
-        self.teacher_server = self.teacher_server or launch_teacher(self.cfg, self.rank, now=True)
+        if self.spec.teacher.urls:
+            Teacher([EngineClient(u) for u in self.spec.teacher.urls]).check_tokenizer(self.model_path)
+            return list(self.spec.teacher.urls)
+        self.teacher_server = self.teacher_server or launch_teacher(self.spec, self.rank, now=True)
         return [self.teacher_server.wait_ready().url]
 
     def teacher(self) -> Teacher | None:
@@ -109,7 +108,7 @@ class EngineFleet:
         self._each_client("resume_memory")
 
     def _each_client(self, method: str) -> None:
-        if self.rank == 0 and platform.on_gpu() and not self.cfg.rollout.engine.urls:
+        if self.rank == 0 and platform.on_gpu() and not self.spec.engine.urls:
             for client in self.clients:
                 getattr(client, method)()
 

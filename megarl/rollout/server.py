@@ -6,7 +6,7 @@ the patches and stand-in modules of megarl/compat/sglang_cpu on its PYTHONPATH (
 with SGLang's defaults.
 
 `server_command` is the one place the `sglang.launch_server` command line is built (trainer-started engines, the
-Slurm engine nodes and the `--dry-run` plan all go through it; `engine_server_config` maps the run config onto it).
+Slurm engine nodes and the `--dry-run` plan all go through it; `engine_server_config` maps a run's FleetSpec onto it).
 
 Start-up on a loaded machine: SGLang's own warm-up request has a fixed 10 s read timeout and the server exits when it
 runs out (sglang/srt/entrypoints/http_server.py, _execute_server_warmup), so megarl passes --skip-server-warmup and
@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import requests
 
@@ -29,6 +30,9 @@ from .. import platform
 from ..compat.sglang import CPU_STANDINS, cpu_server_env  # noqa: F401 - CPU_STANDINS: where the server finds them
 from ..errors import UserError
 from ..parallel.env import free_port
+
+if TYPE_CHECKING:
+    from ..trainer.config import EngineConfig, TeacherConfig
 
 logger = logging.getLogger(__name__)
 _FATAL_MARKERS = ("Received sigquit from a child process",)
@@ -157,25 +161,39 @@ def cpu_threads_bind(ranks: int, cores: list[int] | None = None) -> str:
     return "|".join(",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(ranks))
 
 
-def engine_server_config(cfg, model_path: str, index: int = 0, host: str = "127.0.0.1", port: int | None = None,
-                         log_dir: str | None = None, base_gpu_id: int | None = None) -> ServerConfig:
-    """The ServerConfig of engine `index` of a run (a megarl TrainConfig): rollout.engine's fields, the run seed,
-    deterministic sampling and the MoE routing option. base_gpu_id: several engines on one GPU node."""
-    e, r = cfg.rollout.engine, cfg.rollout
-    routing = getattr(r, "return_routed_experts", False) or getattr(r, "routing_replay", False)
-    rl = getattr(cfg, "rl", None)
+@dataclass(frozen=True)
+class FleetSpec:
+    """Every SGLang server a run uses and what they share: the policy engines (the rollout.engine section), the OPD
+    teacher (None when it is off) and the other models' pools (pools.<name>), the run seed and log folder, and two
+    switches other sections decide. megarl.trainer.config.fleet_spec is the one place that builds it from a run's
+    config; the fleet, the pools and the launch plan read only this."""
+    engine: "EngineConfig"
+    log_dir: str  # <run_dir>/engine: one folder per pool under it
+    seed: int = 0  # engine i samples with random seed seed + i
+    seeded_sampling: bool = False  # rollout.deterministic: per-request sampling seeds are honoured
+    routed_experts: bool = False  # MoE: SGLang returns each position's routed experts (rollout.engine_routing)
     # Partial rollouts abort requests while they decode (megarl.rollout.router). SGLang 0.5.23's overlap scheduler
     # can crash on that abort (IndexError in ScheduleBatch.filter_batch -> sampling_info.filter_batch, seen on CPU
     # in benchmarks/async_rl.py): those engines run the plain event loop.
-    partial = rl is not None and getattr(rl, "max_staleness", 0) > 0 and getattr(rl, "partial_rollouts", False)
+    plain_event_loop: bool = False
+    teacher: "TeacherConfig | None" = None
+    pools: dict = field(default_factory=dict)  # name -> PoolConfig
+
+
+def engine_server_config(spec: FleetSpec, model_path: str, index: int = 0, host: str = "127.0.0.1",
+                         port: int | None = None, log_dir: str | None = None,
+                         base_gpu_id: int | None = None) -> ServerConfig:
+    """The ServerConfig of policy engine `index` (pools' servers start from it too, megarl.rollout.pools): the
+    rollout.engine section's fields, the seed, deterministic sampling and the MoE routing flag. base_gpu_id: several
+    engines on one GPU node."""
+    e = spec.engine
     return ServerConfig(
-        model_path=model_path, host=host, port=port, dtype=getattr(e, "dtype", None), tp_size=e.tp_size,
+        model_path=model_path, host=host, port=port, dtype=e.dtype, tp_size=e.tp_size,
         max_total_tokens=e.max_total_tokens, mem_fraction_static=e.mem_fraction_static,
-        random_seed=cfg.seed + index, seeded_sampling=r.deterministic, startup_timeout_s=e.startup_timeout_s,
-        startup_retries=getattr(e, "startup_retries", 1), base_gpu_id=base_gpu_id,
-        log_dir=log_dir or os.path.join(cfg.run_dir, "engine"),
-        extra_args=list(e.extra_args) + (["--enable-return-routed-experts"] if routing else []) +
-        (["--disable-overlap-schedule"] if partial else []))
+        random_seed=spec.seed + index, seeded_sampling=spec.seeded_sampling, startup_timeout_s=e.startup_timeout_s,
+        startup_retries=e.startup_retries, base_gpu_id=base_gpu_id, log_dir=log_dir or spec.log_dir,
+        extra_args=list(e.extra_args) + (["--enable-return-routed-experts"] if spec.routed_experts else []) +
+        (["--disable-overlap-schedule"] if spec.plain_event_loop else []))
 
 
 def die_with_parent() -> None:

@@ -23,7 +23,7 @@ def run_engine(config: str, model_path: str, log_dir: str):
     routing flags, ...), started and always stopped. Several runs given its URL (rollout.engine.urls=[url]) share it
     instead of each starting one (~25 s per start on CPU); each run first pushes its own weights into it."""
     from ..rollout.server import engine_server_config
-    from ..trainer.config import load_train_config
+    from ..trainer.config import fleet_spec, load_train_config
 
-    with SGLangServer(engine_server_config(load_train_config(config), model_path, log_dir=log_dir)) as server:
+    with SGLangServer(engine_server_config(fleet_spec(load_train_config(config)), model_path, log_dir=log_dir)) as server:
         yield server

@@ -33,7 +33,7 @@ class Sample:
     finish_reason: str
     reward: float = 0.0
     score: float = 0.0  # the reward after shaping (overlong penalty): what advantages see
-    baseline: float = 0.0  # the score of the prompt's greedy rollout (estimators in GREEDY_BASELINE, e.g. remax)
+    baseline: float = 0.0  # the score of the prompt's greedy rollout (estimators registered with greedy_baseline, e.g. remax)
     trained: bool = True  # False: kept for metrics, no loss (overlong masking)
     loss_mask: list[int] | np.ndarray | None = None  # per response token (multi-turn: 0 on observations); None: all
     routed_experts: torch.Tensor | list[int] | None = None  # the engine's MoE routing, flat [positions, layers, top-k]

@@ -420,9 +420,9 @@ class TrainConfig:
             # stale tokens trained as if on-policy learn worse (benchmarks/async_rl.py: 4-21 points of pass@1 behind
             # the synchronous run): asynchronous steps get PPO's decoupled objective unless a mode is chosen
             self.algorithm.mismatch.mode = "tis" if self.rl.max_staleness else "none"
-        from ..algorithms.advantages import NEEDS_GROUPS
+        from ..algorithms.advantages import estimator
 
-        if self.algorithm.advantage_estimator in NEEDS_GROUPS and self.rollout.n_samples < 2:
+        if estimator(self.algorithm.advantage_estimator).needs_groups and self.rollout.n_samples < 2:
             raise ConfigError(f"algorithm.advantage_estimator={self.algorithm.advantage_estimator} compares the "
                               f"samples of one prompt, but rollout.n_samples={self.rollout.n_samples}. Fix: set "
                               "rollout.n_samples >= 2 (e.g. 8), or use reinforce_plus_plus")
@@ -504,17 +504,18 @@ class TrainConfig:
                               "no labels to smooth). Fix: dpo.label_smoothing=0, or dpo.loss_type=dpo")
 
     def _validate_teacher(self) -> None:
-        from ..algorithms.advantages import NEEDS_TEACHER
+        from ..algorithms.advantages import estimator as registered
 
         t, estimator = self.teacher, self.algorithm.advantage_estimator
+        needs_teacher = registered(estimator).needs_teacher
         if t.model and t.urls:
             raise ConfigError("teacher.model and teacher.urls are both set. Fix: set teacher.model (the trainer starts "
                               "the teacher engine) or teacher.urls (running teacher engines), not both")
-        if estimator in NEEDS_TEACHER and not t.enabled:
+        if needs_teacher and not t.enabled:
             raise ConfigError(f"algorithm.advantage_estimator={estimator} distils from a teacher, but the teacher: "
                               "section is empty. Fix: set teacher.model (an HF folder with the policy's tokenizer) "
                               "or teacher.urls")
-        if t.enabled and estimator not in NEEDS_TEACHER:
+        if t.enabled and not needs_teacher:
             raise ConfigError(f"teacher.{'model' if t.model else 'urls'} is set but algorithm.advantage_estimator="
                               f"{estimator} does not use a teacher. Fix: advantage_estimator: opd, or unset teacher")
         if t.tp_size < 1:
@@ -712,3 +713,18 @@ def model_shape_hint(hint: dict) -> ModelShape:
 
 def load_train_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
     return load_config(TrainConfig, path, overrides).validate()
+
+
+def fleet_spec(cfg: TrainConfig) -> "FleetSpec":
+    """The run's SGLang servers (megarl.rollout.server.FleetSpec) from its sections: rollout.engine, teacher (when
+    enabled), pools, with the seed, <run_dir>/engine, rollout.deterministic, the MoE routing flag
+    (rollout.engine_routing) and the plain event loop partial rollouts need (rl.max_staleness > 0 with
+    rl.partial_rollouts)."""
+    import os
+
+    from ..rollout.server import FleetSpec
+
+    return FleetSpec(engine=cfg.rollout.engine, log_dir=os.path.join(cfg.run_dir, "engine"), seed=cfg.seed,
+                     seeded_sampling=cfg.rollout.deterministic, routed_experts=cfg.rollout.engine_routing,
+                     plain_event_loop=cfg.rl.max_staleness > 0 and cfg.rl.partial_rollouts,
+                     teacher=cfg.teacher if cfg.teacher.enabled else None, pools=dict(cfg.pools))

@@ -28,6 +28,7 @@ from ..rollout.fleet import EngineFleet
 from .async_rollout import version_name
 from .batching import Sample, rank_batch
 from .checkpoint import latest_checkpoint
+from .config import fleet_spec
 from .metrics import over_last_stage
 from .rollout import Rollout
 from .workers import reward_pools
@@ -86,7 +87,7 @@ def run_eval(cfg, samples: int | None = None, responses: str | None = None, out:
     parallel.init_distributed(parallel=cfg.parallel)
     rank = dist.get_rank()
     model_path = prepare_model_folder(cfg)
-    fleet = EngineFleet(cfg, model_path, rank)
+    fleet = EngineFleet(fleet_spec(cfg), model_path, rank)
     records = rewards = eval_rewards = rollout = None
     syncs = []
     try:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel, platform
-from ..algorithms.advantages import RETURNS_TEACHER_LOG_RATIO
+from ..algorithms.advantages import estimator
 from ..config import ConfigError, to_dict
 from ..errors import on_rank0
 from ..data import ChatTokenizer
@@ -31,6 +31,7 @@ from . import metrics, step as phases
 from .async_rollout import version_name
 from .batching import RankBatch
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import fleet_spec
 from .evaluate import held_out_metrics, held_out_prompts
 from .logging import MetricsLog, PhaseTimer
 from .preemption import StopRequest
@@ -63,7 +64,7 @@ class RLTrainer:
         self.model_path = prepare_model_folder(cfg)
         if cfg.teacher.model:  # before any engine starts: a teacher with another tokenizer is refused in seconds
             on_rank0(lambda: check_same_tokenizer(self.model_path, cfg.teacher.model))
-        self.fleet = EngineFleet(cfg, self.model_path, self.rank)  # policy engines, teacher, pools
+        self.fleet = EngineFleet(fleet_spec(cfg), self.model_path, self.rank)  # policy engines, teacher, pools
         try:
             self._build(cfg, metrics_log)
         except BaseException:  # the engines launched above do not outlive a failed set-up
@@ -149,7 +150,7 @@ class RLTrainer:
                 batch.old_values = phases.critic_values(self.critic.model, rb, algo, pg)
         with timer("advantages"):  # 4. advantages (and returns)
             batch.advantages, batch.returns = phases.advantages(rb, algo, pg.dp)
-        if algo.advantage_estimator in RETURNS_TEACHER_LOG_RATIO:  # opd: returns = teacher - student log-prob
+        if estimator(algo.advantage_estimator).returns_teacher_log_ratio:  # opd: returns = teacher - student log-prob
             signals.update(metrics.opd_reverse_kl(batch.returns, batch.loss_mask, pg))
         with timer("train"):  # 5. rl.ppo_epochs x rl.mini_batches optimizer steps through Megatron's schedule
             trained = phases.update(self.policy, self.critic, rb, algo, cfg.rl, self.bridge.vocab_size, pg,

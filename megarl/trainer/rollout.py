@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..algorithms.advantages import GREEDY_BASELINE
+from ..algorithms.advantages import estimator
 from ..data import PromptRecord
 from ..envs import Episode, make_env, run_episodes
 from ..envs.episode import check_turn
@@ -105,7 +105,7 @@ class Rollout:
         self.partial = cfg.rl.max_staleness > 0 and cfg.rl.partial_rollouts
         self.stop_ids = sorted(set(tokenizer.stop_ids) | set(cfg.rollout.stop_token_ids))
         # the estimator's baseline is a greedy rollout of each prompt (ReMax): collect() asks the engines for it
-        self.greedy_baseline = cfg.algorithm.advantage_estimator in GREEDY_BASELINE
+        self.greedy_baseline = estimator(cfg.algorithm.advantage_estimator).greedy_baseline
         self._threads = ThreadPoolExecutor(max_workers=8)
         self._env_threads = ThreadPoolExecutor(max_workers=8)  # tool calls (separate: chunks run on _threads)
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algorithms import AlgorithmConfig, AlgorithmConfigError, compute_advantages, kl_estimate, loss_weights
-from megarl.algorithms.advantages import NEEDS_GROUPS, last_token_rewards
+from megarl.algorithms.advantages import ADVANTAGE_ESTIMATORS, estimator, last_token_rewards, register_advantage
 from megarl.algorithms.policy_losses import POLICY_LOSSES
 from megarl.testing import run_ranks
 
@@ -251,7 +251,34 @@ def test_batch_statistics_do_not_depend_on_the_dp_split():
 
 @pytest.mark.unit
 def test_group_estimators_need_groups():
-    assert {"maxrl", "opo", "gpg", "grpo_passk"} <= NEEDS_GROUPS
+    assert all(estimator(name).needs_groups for name in ("grpo", "rloo", "maxrl", "opo", "gpg", "grpo_passk"))
+    assert not any(estimator(name).needs_groups for name in ("reinforce_plus_plus", "remax", "opd", "gae"))
+
+
+@pytest.mark.unit
+def test_estimator_inputs_are_typed():
+    """compute_advantages refuses an input no estimator reads (a typo is not silently dropped); an estimator gets
+    only the fields it declares; a plug-in declares its inputs and capabilities at registration."""
+    mask, scores, groups = torch.ones(4, 3), torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1])
+    with pytest.raises(TypeError, match="group_idz"):
+        compute_advantages("grpo", scores=scores, group_idz=groups, mask=mask)
+    assert estimator("grpo").reads == {"scores", "group_ids", "mask", "eps", "std_normalize"}
+    with pytest.raises(TypeError, match=r"\['rewardz'\] are not keyword-only AdvantageInputs fields"):
+        register_advantage("typo")(lambda *, rewardz, mask: None)
+    assert "typo" not in ADVANTAGE_ESTIMATORS
+    try:
+        @register_advantage("centred_plugin", needs_groups=True)
+        def centred(*, scores, group_ids, mask):
+            mean = torch.stack([scores[group_ids == g].mean() for g in group_ids])
+            return (scores - mean)[:, None] * mask, scores[:, None] * mask
+
+        adv, _ = compute_advantages("centred_plugin", scores=scores, group_ids=groups, mask=mask, kl_coef=0.1)
+        assert adv[:, 0].tolist() == [0.5, -0.5, 0.0, 0.0] and estimator("centred_plugin").needs_groups
+        AlgorithmConfig(advantage_estimator="centred_plugin").validate()  # known to the config check
+        with pytest.raises(AlgorithmConfigError, match="std_normalize=false has no effect"):
+            AlgorithmConfig(advantage_estimator="centred_plugin", std_normalize=False).validate()
+    finally:
+        ADVANTAGE_ESTIMATORS.pop("centred_plugin", None)
 
 
 # -------------------------------------------------------------------------------------------------- policy losses

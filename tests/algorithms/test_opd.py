@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megarl.algorithms import compute_advantages
-from megarl.algorithms.advantages import NEEDS_GROUPS, NEEDS_TEACHER, RETURNS_TEACHER_LOG_RATIO
+from megarl.algorithms.advantages import estimator
 from megarl.errors import UserError
 from megarl.testing import run_ranks, tiny_model_dir
 from megarl.trainer.batching import PackedRollout, Sample
@@ -50,8 +50,9 @@ def test_opd_matches_naive_reference(weight):
                                         scores=scores, group_ids=groups, opd_reward_weight=weight)
     assert torch.allclose(adv, _naive_opd(teacher, student, mask, scores.tolist(), groups.tolist(), weight), atol=1e-6)
     assert torch.equal(log_ratio, (teacher - student) * mask)
-    assert "opd" in NEEDS_TEACHER and "opd" not in NEEDS_GROUPS  # pure distillation: one sample per prompt is fine
-    assert "opd" in RETURNS_TEACHER_LOG_RATIO  # the trainer logs opd/reverse_kl from these returns
+    opd = estimator("opd")
+    assert opd.needs_teacher and not opd.needs_groups  # pure distillation: one sample per prompt is fine
+    assert opd.returns_teacher_log_ratio  # the trainer logs opd/reverse_kl from these returns
     with pytest.raises(ValueError, match="opd needs `teacher_log_probs`"):
         compute_advantages("opd", student_log_probs=student, mask=mask, teacher_log_probs=None)
 
@@ -131,18 +132,19 @@ def test_trainer_starts_one_teacher_server_through_the_engine_config(monkeypatch
     weight syncs, built from the policy's servers only, never reach it)."""
     from megarl.rollout.fleet import launch_teacher
     from megarl.rollout.server import SGLangServer
+    from megarl.trainer.config import fleet_spec
 
     monkeypatch.setattr(SGLangServer, "launch", lambda self: self)  # the config only: no process
     cfg = _cfg(f"run_dir={tmp_path}", "algorithm.advantage_estimator=opd", "teacher.model=/teacher",
                "teacher.tp_size=2", "teacher.dtype=bfloat16", "rollout.engine.num_engines=2",
                "rollout.return_routed_experts=true")
-    server = launch_teacher(cfg, 0, now=True)
+    server = launch_teacher(fleet_spec(cfg), 0, now=True)
     c = server.cfg
     assert (c.model_path, c.tp_size, c.dtype, c.base_gpu_id) == ("/teacher", 2, "bfloat16", 2)
     assert c.log_dir == str(tmp_path / "engine" / "teacher") and "--enable-return-routed-experts" not in c.extra_args
-    assert launch_teacher(cfg, 1, now=True) is None  # rank 0 only
+    assert launch_teacher(fleet_spec(cfg), 1, now=True) is None  # rank 0 only
     no_model = _cfg("algorithm.advantage_estimator=opd", "teacher.urls=[http://t:1]")
-    assert launch_teacher(no_model, 0, now=True) is None
+    assert launch_teacher(fleet_spec(no_model), 0, now=True) is None
 
 
 # ----------------------------------------------------------------------------------------- with a real engine

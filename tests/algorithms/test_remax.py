@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megarl.algorithms import compute_advantages
-from megarl.algorithms.advantages import GREEDY_BASELINE, NEEDS_GROUPS
+from megarl.algorithms.advantages import estimator
 from megarl.trainer.batching import PackedRollout, Sample
 from megarl.trainer.dispatch import Shape
 
@@ -36,7 +36,7 @@ def test_remax_matches_naive_and_needs_its_baseline():
     assert torch.allclose(adv, _naive_remax(scores, baseline, mask))
     assert torch.allclose(returns, scores[:, None] * mask)
     assert adv[:, 0].tolist() == pytest.approx([-0.2, 0.8, 0.1, -0.4, -0.2, 0.0])  # hand-worked r - r_greedy
-    assert "remax" in GREEDY_BASELINE and "remax" not in NEEDS_GROUPS  # one sample per prompt is fine
+    assert estimator("remax").greedy_baseline and not estimator("remax").needs_groups  # one sample per prompt is fine
     with pytest.raises(ValueError, match="remax needs `baseline`"):
         compute_advantages("remax", scores=scores, mask=mask)
 

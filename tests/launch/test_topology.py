@@ -398,6 +398,7 @@ def test_dry_run_places_the_engine_pools_as_rank_0_starts_them():
     line naming the field."""
     from megarl.rollout.pools import pool_server_config
     from megarl.testing import tiny_model_dir
+    from megarl.trainer.config import fleet_spec
 
     m = tiny_model_dir("qwen2")
     judge = [f"model.path={m}", "reward.name=judge", f"pools.judge.model={m}", "pools.judge.tp_size=2",
@@ -409,7 +410,7 @@ def test_dry_run_places_the_engine_pools_as_rank_0_starts_them():
         "meta": ["http://h:1"]}
     # the printed command is the runtime's, given the policy engine count the plan passes to the trainer
     runtime = load_train_config(None, judge + ["rollout.engine.num_engines=6"])
-    assert pool_server_config(runtime, "judge", runtime.pools["judge"]).base_gpu_id == 6
+    assert pool_server_config(fleet_spec(runtime), "judge", runtime.pools["judge"]).base_gpu_id == 6
     assert "--base-gpu-id 6" in topo.pool_servers[0].command and "rollout.engine.num_engines=6" in \
         " ".join(topo.nodes[0].commands)
     text = format_topology(topo)

@@ -322,6 +322,7 @@ def test_pool_servers_follow_the_policy_engines_and_the_teacher(monkeypatch, tmp
     from megarl.rollout.fleet import launch_teacher
     from megarl.rollout.pools import EnginePools
     from megarl.rollout.server import SGLangServer
+    from megarl.trainer.config import fleet_spec
 
     monkeypatch.setattr(SGLangServer, "launch", lambda self: self)  # the configs only: no process
     cfg = _cfg(f"run_dir={tmp_path}", "rollout.engine.num_engines=2", "rollout.return_routed_experts=true",
@@ -329,16 +330,17 @@ def test_pool_servers_follow_the_policy_engines_and_the_teacher(monkeypatch, tmp
                "pools.judge.model=/judge", "pools.judge.num_engines=2", "pools.judge.tp_size=2",
                "pools.judge.dtype=bfloat16", "pools.judge.max_total_tokens=1000", "pools.meta.urls=[http://m:1]",
                "pools.meta.router_policy=round_robin")
-    teacher = launch_teacher(cfg, 0, now=True).cfg
+    fleet = fleet_spec(cfg)
+    teacher = launch_teacher(fleet, 0, now=True).cfg
     assert (teacher.model_path, teacher.base_gpu_id, teacher.log_dir) == ("/teacher", 2, str(tmp_path / "engine" /
                                                                                             "teacher"))
-    pools = EnginePools(cfg, rank=0).launch(now=True)
+    pools = EnginePools(fleet, rank=0).launch(now=True)
     judge = [s.cfg for s in pools.servers["judge"]]
     assert [(c.model_path, c.tp_size, c.dtype, c.max_total_tokens, c.base_gpu_id) for c in judge] == \
         [("/judge", 2, "bfloat16", 1000, 4), ("/judge", 2, "bfloat16", 1000, 6)]  # GPUs 0-1 policy, 2-3 teacher
     assert all(c.log_dir == str(tmp_path / "engine" / "judge") and "--enable-return-routed-experts" not in c.extra_args
                for c in judge)
-    assert set(pools.servers) == {"judge"} and not EnginePools(cfg, rank=1).launch(now=True).servers
+    assert set(pools.servers) == {"judge"} and not EnginePools(fleet, rank=1).launch(now=True).servers
     routers = pools.routers({"judge": [], "meta": ["http://m:1"]})
     assert [c.server for c in routers["judge"].clients] == pools.servers["judge"]
     assert [c.url for c in routers["meta"].clients] == ["http://m:1"] and routers["meta"].policy == "round_robin"
