@@ -38,6 +38,19 @@ class ModelConfig:
     # RL instead of letting Megatron's bias-update rule move it by each small, skewed RL batch's expert load.
     freeze_router_bias: bool = False
 
+    def __post_init__(self):
+        shape = model_shape_hint(self.shape) if self.shape is not None else None
+        if self.moe_aux_loss_coeff is not None and self.moe_aux_loss_coeff < 0:
+            raise ConfigError(f"model.moe_aux_loss_coeff must be >= 0 (or null: the HF config's "
+                              f"router_aux_loss_coef), got {self.moe_aux_loss_coeff}")
+        if shape is not None and not shape.num_experts:
+            # A dense model has no router; 0.0 / false are harmless no-ops and accepted.
+            for name, active in (("moe_aux_loss_coeff", bool(self.moe_aux_loss_coeff)),
+                                 ("freeze_router_bias", self.freeze_router_bias)):
+                if active:
+                    raise ConfigError(f"model.{name} is set but model.shape has no num_experts (a dense model has no "
+                                      f"router). Fix: unset model.{name}, or add num_experts to model.shape")
+
 
 @dataclass
 class OptimConfig:
@@ -50,6 +63,14 @@ class OptimConfig:
     adam_beta2: float = 0.999
     clip_grad: float = 1.0
     distributed_optimizer: bool = False  # shard optimizer state over data-parallel ranks (megatron)
+
+    def __post_init__(self):
+        _check_schedule("optim", self)
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"optim.{name}={getattr(self, name)} must be in [0, 1). Fix: e.g. 0.9 / 0.999")
+        if self.clip_grad < 0:
+            raise ConfigError(f"optim.clip_grad={self.clip_grad} must be >= 0 (0: no clipping). Fix: e.g. 1.0")
 
 
 @dataclass
@@ -64,6 +85,10 @@ class SyntheticConfig:
     seed: int = 1234  # the held-out set never overlaps the training set
     sft_answer_noise: float = 0.0  # share of SFT demonstrations with a wrong answer (imperfect cold-start data)
     sft_tool_share: float = 0.0  # share of SFT demonstrations that call the calculator tool (tool-use cold start)
+
+    def __post_init__(self):
+        if not 0.0 <= self.sft_tool_share <= 1.0:
+            raise ConfigError(f"data.synthetic.sft_tool_share={self.sft_tool_share} must be in [0, 1]")
 
 
 @dataclass
@@ -115,6 +140,12 @@ class EngineConfig:
     # gpus_per_node / tp_size servers. 0 with colocated (the engines share the trainer's GPUs).
     nodes: int = 0
 
+    def __post_init__(self):
+        if self.dtype is not None:
+            _choice("rollout.engine.dtype", self.dtype, ("bfloat16", "float32"))
+        _at_least("rollout.engine", self, ("tp_size", "num_engines"))
+        _at_least("rollout.engine", self, ("nodes",), 0)
+
 
 @dataclass
 class RolloutConfig:
@@ -151,6 +182,15 @@ class RolloutConfig:
     routing_replay: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
 
+    def __post_init__(self):
+        _choice("rollout.overlong", self.overlong, ("none", "mask", "penalty"))
+        _choice("rollout.old_log_probs", self.old_log_probs, ("recompute", "rollout"))
+        _choice("rollout.workers", self.workers, ("auto", "dp_leaders", "rank0"))
+        _choice("rollout.placement", self.placement, ("colocated", "disaggregated"))
+        _at_least("rollout", self, ("prompts_per_step", "n_samples", "max_new_tokens", "request_size"))
+        if self.overlong == "penalty" and not 0 < self.overlong_buffer < self.max_new_tokens:
+            raise ConfigError("rollout.overlong=penalty needs 0 < rollout.overlong_buffer < rollout.max_new_tokens")
+
     @property
     def engine_routing(self) -> bool:
         """The engine returns the experts it routed each token to (for the agreement metric or for R3)."""
@@ -185,6 +225,18 @@ class TeacherConfig(PoolConfig):
     the policy's tokenizer (any size) and whose log-probs of the sampled tokens the rollout asks for (prefill only).
     teacher.model: the trainer starts one SGLang server for it, like the policy's engines, and never syncs weights
     into it; teacher.urls: running SGLang servers of the teacher."""
+
+    def __post_init__(self):
+        if self.model and self.urls:
+            raise ConfigError("teacher.model and teacher.urls are both set. Fix: set teacher.model (the trainer starts "
+                              "the teacher engine) or teacher.urls (running teacher engines), not both")
+        if self.tp_size < 1:
+            raise ConfigError(f"teacher.tp_size must be >= 1, got {self.tp_size}. Fix: e.g. teacher.tp_size=1")
+        if self.num_engines != 1:
+            raise ConfigError(f"teacher.num_engines={self.num_engines}: the trainer starts one teacher server. Fix: "
+                              "teacher.num_engines: 1, or start several yourself and list them in teacher.urls")
+        if self.dtype is not None:
+            _choice("teacher.dtype", self.dtype, ("bfloat16", "float32"))
 
 
 @dataclass
@@ -249,6 +301,17 @@ class EnvConfig:
     max_response_tokens: int = 1024  # model + observation tokens per episode (rollout.max_new_tokens is per turn)
     kwargs: dict = field(default_factory=dict)  # extra arguments for the environment's constructor
 
+    def __post_init__(self):
+        _at_least("env", self, ("max_turns", "max_response_tokens"))
+        if self.name is not None:
+            from ..envs import ENVS, resolve_tools
+
+            _choice("env.name", self.name, sorted(ENVS))
+            try:
+                resolve_tools(list(self.tools))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+
 
 @dataclass
 class RewardConfig:
@@ -262,6 +325,9 @@ class RewardConfig:
     timeout_s: float = 10.0
     kwargs: dict = field(default_factory=dict)
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # reward.name: judge (a generative reward)
+
+    def __post_init__(self):
+        _at_least("reward", self, ("workers",))
 
 
 @dataclass
@@ -294,6 +360,12 @@ class RLConfig:
     max_staleness: int = 0
     partial_rollouts: bool = True
 
+    def __post_init__(self):
+        _at_least("rl", self, ("steps", "ppo_epochs", "mini_batches", "max_tokens_per_microbatch"))
+        if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ConfigError(f"rl.max_staleness must be an integer >= 0 (0: synchronous steps), "
+                              f"got {self.max_staleness!r}")
+
 
 @dataclass
 class SFTConfig:
@@ -309,6 +381,10 @@ class SFTConfig:
     warmup_steps: int = 10
     decay_style: str = "cosine"
     max_tokens_per_microbatch: int = 8192
+
+    def __post_init__(self):
+        _check_schedule("sft", self)
+        _at_least("sft", self, ("batch_size", "max_seq_len"))
 
 
 @dataclass
@@ -329,6 +405,20 @@ class DPOConfig:
     weight_decay: float = 0.0
     max_tokens_per_microbatch: int = 8192
     fused_logprobs: bool = True  # log-probs from the final hidden states and the output weight (algorithm.*'s twin)
+
+    def __post_init__(self):
+        _check_schedule("dpo", self)
+        _at_least("dpo", self, ("steps", "batch_size", "max_seq_len"))
+        _choice("dpo.loss_type", self.loss_type, ("dpo", "ipo"))
+        if not self.beta > 0:
+            raise ConfigError(f"dpo.beta={self.beta} must be > 0 (the implicit reward scale; IPO's target margin is "
+                              "1 / (2 beta)). Fix: e.g. dpo.beta=0.1")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"dpo.label_smoothing={self.label_smoothing} must be in [0, 0.5) (the share of pairs "
+                              "assumed mislabelled). Fix: e.g. 0.0 (plain DPO) or 0.1")
+        if self.label_smoothing and self.loss_type != "dpo":
+            raise ConfigError(f"dpo.label_smoothing={self.label_smoothing} applies to dpo.loss_type=dpo only (IPO has "
+                              "no labels to smooth). Fix: dpo.label_smoothing=0, or dpo.loss_type=dpo")
 
     @property
     def temperature(self) -> float:
@@ -354,6 +444,10 @@ class ReshardConfig:
     # host). None: 127.0.0.1 for engines this run starts, else this host's name (socket.gethostname()).
     master_address: Optional[str] = None
 
+    def __post_init__(self):
+        _choice("reshard.transport", self.transport, ("tensor", "distributed", "disk"))
+        _at_least("reshard", self, ("bucket_mb",))
+
 
 @dataclass
 class CheckpointConfig:
@@ -368,6 +462,9 @@ class LoggingConfig:
     wandb: str = "offline"  # offline | online | disabled
     project: str = "megarl"
     progress: bool = True
+
+    def __post_init__(self):
+        _choice("logging.wandb", self.wandb, ("offline", "online", "disabled"))
 
 
 @dataclass
@@ -392,30 +489,13 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> "TrainConfig":
+        """The rules that relate several sections (each section checked its own fields when it was built: its
+        __post_init__), each naming the fields it relates; and the one default that depends on another section
+        (algorithm.mismatch.mode unset: tis with rl.max_staleness > 0, else none)."""
         if (self.model.path is None) == (self.model.tiny is None):
             raise ConfigError("set exactly one of model.path (an HF folder) and model.tiny (a tiny random model)")
         self.algorithm.validate()
-        _choice("rollout.overlong", self.rollout.overlong, ("none", "mask", "penalty"))
-        _choice("rollout.old_log_probs", self.rollout.old_log_probs, ("recompute", "rollout"))
-        _choice("rollout.workers", self.rollout.workers, ("auto", "dp_leaders", "rank0"))
-        _choice("reshard.transport", self.reshard.transport, ("tensor", "distributed", "disk"))
-        _choice("logging.wandb", self.logging.wandb, ("offline", "online", "disabled"))
-        if self.rollout.engine.dtype is not None:
-            _choice("rollout.engine.dtype", self.rollout.engine.dtype, ("bfloat16", "float32"))
         self._validate_placement()
-        self._validate_model_options()
-        for name in ("optim.decay_style", "sft.decay_style", "dpo.decay_style"):
-            _choice(name, self._value(name), ("constant", "linear", "cosine"))
-        for name in ("rollout.prompts_per_step", "rollout.n_samples", "rollout.max_new_tokens", "rl.steps",
-                     "rl.ppo_epochs", "rl.mini_batches", "rl.max_tokens_per_microbatch", "sft.batch_size",
-                     "sft.max_seq_len", "dpo.steps", "dpo.batch_size", "dpo.max_seq_len", "reshard.bucket_mb",
-                     "rollout.request_size", "reward.workers", "env.max_turns",
-                     "env.max_response_tokens"):
-            if self._value(name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {self._value(name)}")
-        if not isinstance(self.rl.max_staleness, int) or self.rl.max_staleness < 0:
-            raise ConfigError(f"rl.max_staleness must be an integer >= 0 (0: synchronous steps), "
-                              f"got {self.rl.max_staleness!r}")
         if self.algorithm.mismatch.mode is None:
             # stale tokens trained as if on-policy learn worse (benchmarks/async_rl.py: 4-21 points of pass@1 behind
             # the synchronous run): asynchronous steps get PPO's decoupled objective unless a mode is chosen
@@ -426,7 +506,6 @@ class TrainConfig:
             raise ConfigError(f"algorithm.advantage_estimator={self.algorithm.advantage_estimator} compares the "
                               f"samples of one prompt, but rollout.n_samples={self.rollout.n_samples}. Fix: set "
                               "rollout.n_samples >= 2 (e.g. 8), or use reinforce_plus_plus")
-        self._validate_optimizer()
         if self.rollout.prompts_per_step % self.rl.mini_batches:
             raise ConfigError(f"rollout.prompts_per_step={self.rollout.prompts_per_step} must be divisible by "
                               f"rl.mini_batches={self.rl.mini_batches} (each mini-batch takes whole groups)")
@@ -444,73 +523,23 @@ class TrainConfig:
             raise ConfigError(f"algorithm.pack_sequences=true is not wired for parallel.cp={self.parallel.cp} (THD "
                               "packing under context parallelism needs cu_seqlens padded per CP shard). Fix: "
                               "algorithm.pack_sequences: false (or unset: packed only without CP)")
-        if self.algorithm.pack_sequences is None:
-            self.algorithm.pack_sequences = self.parallel.cp == 1
         if self.algorithm.policy_loss == "fipo" and self.parallel.cp > 1:
             raise ConfigError(f"algorithm.policy_loss=fipo sums each sequence's future log-ratios, which "
                               f"parallel.cp={self.parallel.cp} splits over ranks. Fix: parallel.cp: 1")
-        if self.rollout.overlong == "penalty" and not 0 < self.rollout.overlong_buffer < self.rollout.max_new_tokens:
-            raise ConfigError("rollout.overlong=penalty needs 0 < rollout.overlong_buffer < rollout.max_new_tokens")
-        if self.env.name is not None:
-            from ..envs import ENVS, resolve_tools
-
-            _choice("env.name", self.env.name, sorted(ENVS))
-            try:
-                resolve_tools(list(self.env.tools))
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-        self._validate_dpo()
         self._validate_teacher()
         self._validate_pools()
         self._validate_eval_reward()
-        if not 0.0 <= self.data.synthetic.sft_tool_share <= 1.0:
-            raise ConfigError(f"data.synthetic.sft_tool_share={self.data.synthetic.sft_tool_share} must be in [0, 1]")
         if self.algorithm.temperature != self.rollout.temperature:
             raise ConfigError(f"algorithm.temperature={self.algorithm.temperature} must equal rollout.temperature="
                               f"{self.rollout.temperature}: the trainer's log-probs must be of the distribution the "
                               "engine sampled from")
         return self
 
-    def _validate_optimizer(self) -> None:
-        for section in ("optim", "sft", "dpo"):
-            o = getattr(self, section)
-            if not o.lr > 0:
-                raise ConfigError(f"{section}.lr={o.lr} must be > 0. Fix: e.g. {section}.lr=1e-6")
-            if not 0 <= o.min_lr <= o.lr:
-                raise ConfigError(f"{section}.min_lr={o.min_lr} must be in [0, {section}.lr={o.lr}]. Fix: e.g. "
-                                  f"{section}.min_lr=0")
-            if o.warmup_steps < 0:
-                raise ConfigError(f"{section}.warmup_steps={o.warmup_steps} must be >= 0")
-            if o.weight_decay < 0:
-                raise ConfigError(f"{section}.weight_decay={o.weight_decay} must be >= 0. Fix: e.g. 0.0 or 0.01")
-        o = self.optim
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(o, name) < 1:
-                raise ConfigError(f"optim.{name}={getattr(o, name)} must be in [0, 1). Fix: e.g. 0.9 / 0.999")
-        if o.clip_grad < 0:
-            raise ConfigError(f"optim.clip_grad={o.clip_grad} must be >= 0 (0: no clipping). Fix: e.g. 1.0")
-
-    def _validate_dpo(self) -> None:
-        d = self.dpo
-        _choice("dpo.loss_type", d.loss_type, ("dpo", "ipo"))
-        if not d.beta > 0:
-            raise ConfigError(f"dpo.beta={d.beta} must be > 0 (the implicit reward scale; IPO's target margin is "
-                              "1 / (2 beta)). Fix: e.g. dpo.beta=0.1")
-        if not 0.0 <= d.label_smoothing < 0.5:
-            raise ConfigError(f"dpo.label_smoothing={d.label_smoothing} must be in [0, 0.5) (the share of pairs "
-                              "assumed mislabelled). Fix: e.g. 0.0 (plain DPO) or 0.1")
-        if d.label_smoothing and d.loss_type != "dpo":
-            raise ConfigError(f"dpo.label_smoothing={d.label_smoothing} applies to dpo.loss_type=dpo only (IPO has "
-                              "no labels to smooth). Fix: dpo.label_smoothing=0, or dpo.loss_type=dpo")
-
     def _validate_teacher(self) -> None:
         from ..algorithms.advantages import estimator as registered
 
         t, estimator = self.teacher, self.algorithm.advantage_estimator
         needs_teacher = registered(estimator).needs_teacher
-        if t.model and t.urls:
-            raise ConfigError("teacher.model and teacher.urls are both set. Fix: set teacher.model (the trainer starts "
-                              "the teacher engine) or teacher.urls (running teacher engines), not both")
         if needs_teacher and not t.enabled:
             raise ConfigError(f"algorithm.advantage_estimator={estimator} distils from a teacher, but the teacher: "
                               "section is empty. Fix: set teacher.model (an HF folder with the policy's tokenizer) "
@@ -518,13 +547,6 @@ class TrainConfig:
         if t.enabled and not needs_teacher:
             raise ConfigError(f"teacher.{'model' if t.model else 'urls'} is set but algorithm.advantage_estimator="
                               f"{estimator} does not use a teacher. Fix: advantage_estimator: opd, or unset teacher")
-        if t.tp_size < 1:
-            raise ConfigError(f"teacher.tp_size must be >= 1, got {t.tp_size}. Fix: e.g. teacher.tp_size=1")
-        if t.num_engines != 1:
-            raise ConfigError(f"teacher.num_engines={t.num_engines}: the trainer starts one teacher server. Fix: "
-                              "teacher.num_engines: 1, or start several yourself and list them in teacher.urls")
-        if t.dtype is not None:
-            _choice("teacher.dtype", t.dtype, ("bfloat16", "float32"))
         if estimator == "opd" and self.algorithm.opd_reward_weight and self.rollout.n_samples < 2:
             raise ConfigError(f"algorithm.opd_reward_weight={self.algorithm.opd_reward_weight} mixes in the task "
                               f"reward's GRPO advantage, which needs rollout.n_samples >= 2 (got "
@@ -610,12 +632,6 @@ class TrainConfig:
 
     def _validate_placement(self) -> None:
         engine = self.rollout.engine
-        _choice("rollout.placement", self.rollout.placement, ("colocated", "disaggregated"))
-        for name in ("tp_size", "num_engines"):
-            if getattr(engine, name) < 1:
-                raise ConfigError(f"rollout.engine.{name} must be >= 1, got {getattr(engine, name)}")
-        if engine.nodes < 0:
-            raise ConfigError(f"rollout.engine.nodes must be >= 0, got {engine.nodes}")
         if self.rollout.placement == "disaggregated":
             if engine.nodes < 1:
                 raise ConfigError(f"rollout.placement=disaggregated needs rollout.engine.nodes >= 1 (the nodes that "
@@ -629,20 +645,6 @@ class TrainConfig:
             raise ConfigError(f"rollout.engine.nodes={engine.nodes} is only used with rollout.placement=disaggregated "
                               "(colocated engines share the trainer's GPUs). Fix: set rollout.engine.nodes=0, or "
                               "rollout.placement=disaggregated")
-
-    def _validate_model_options(self) -> None:
-        model = self.model
-        shape = model_shape_hint(model.shape) if model.shape is not None else None
-        if model.moe_aux_loss_coeff is not None and model.moe_aux_loss_coeff < 0:
-            raise ConfigError(f"model.moe_aux_loss_coeff must be >= 0 (or null: the HF config's "
-                              f"router_aux_loss_coef), got {model.moe_aux_loss_coeff}")
-        if shape is not None and not shape.num_experts:
-            # A dense model has no router; 0.0 / false are harmless no-ops and accepted.
-            for name, active in (("moe_aux_loss_coeff", bool(model.moe_aux_loss_coeff)),
-                                 ("freeze_router_bias", model.freeze_router_bias)):
-                if active:
-                    raise ConfigError(f"model.{name} is set but model.shape has no num_experts (a dense model has no "
-                                      f"router). Fix: unset model.{name}, or add num_experts to model.shape")
 
     def _value(self, dotted: str):
         section, key = dotted.split(".")
@@ -687,6 +689,26 @@ def _check_score_parser(name: str, pattern: Optional[str], parser: Optional[str]
 def _choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is unknown; choose one of {list(choices)}")
+
+
+def _at_least(section: str, values, names: tuple, low: int = 1) -> None:
+    for name in names:
+        if getattr(values, name) < low:
+            raise ConfigError(f"{section}.{name} must be >= {low}, got {getattr(values, name)}")
+
+
+def _check_schedule(section: str, o) -> None:
+    """The learning-rate schedule fields optim, sft and dpo share."""
+    _choice(f"{section}.decay_style", o.decay_style, ("constant", "linear", "cosine"))
+    if not o.lr > 0:
+        raise ConfigError(f"{section}.lr={o.lr} must be > 0. Fix: e.g. {section}.lr=1e-6")
+    if not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"{section}.min_lr={o.min_lr} must be in [0, {section}.lr={o.lr}]. Fix: e.g. "
+                          f"{section}.min_lr=0")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"{section}.warmup_steps={o.warmup_steps} must be >= 0")
+    if o.weight_decay < 0:
+        raise ConfigError(f"{section}.weight_decay={o.weight_decay} must be >= 0. Fix: e.g. 0.0 or 0.01")
 
 
 _SHAPE_REQUIRED = ("num_layers", "num_attention_heads", "ffn_hidden_size")

@@ -327,9 +327,9 @@ def test_config_refuses_packing_with_context_parallelism():
     from megarl.config import ConfigError
     from megarl.trainer.config import load_train_config
 
-    # on by default (benchmarks/packing.py: not slower on CPU), padded by default under context parallelism
-    assert load_train_config(None, ["model.path=x"]).algorithm.pack_sequences is True
-    assert load_train_config(None, ["model.path=x", "parallel.cp=2"]).algorithm.pack_sequences is False
+    # unset, the config keeps it unset (no value is changed by the validation): packed unless the groups have context
+    # parallelism, decided where the schedule runs (megarl.losses.step.schedule_layouts, with the groups at hand)
+    assert load_train_config(None, ["model.path=x", "parallel.cp=2"]).algorithm.pack_sequences is None
     with pytest.raises(ConfigError, match=r"algorithm.pack_sequences=true .* parallel.cp=2.*Fix: "
                                           r"algorithm.pack_sequences: false"):
         load_train_config(None, ["model.path=x", "parallel.cp=2", "algorithm.pack_sequences=true"])
