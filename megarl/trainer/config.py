@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from ..algorithms import AlgorithmConfig
+from ..algorithms.advantages import GREEDY_BASELINE
 from ..config import ConfigError, load_config
 from ..parallel import ModelShape, ParallelConfig
 
@@ -646,6 +647,39 @@ class TrainConfig:
     def _value(self, dotted: str):
         section, key = dotted.split(".")
         return getattr(getattr(self, section), key)
+
+
+@dataclass(frozen=True)
+class RolloutInputs:
+    """What the rollout side of an RL run reads (megarl.trainer.workers: the rollout workers and the Rollout they
+    build): its own config sections, and the run-wide values it needs, each named for what it does there.
+    rollout_inputs(cfg) is the one place they are read off a TrainConfig."""
+    rollout: RolloutConfig
+    env: EnvConfig
+    data: DataConfig  # the training prompts (data.train) and how they are read
+    reward: RewardConfig  # the reward pools; reward.judge: a generative reward's models
+    pools: dict  # name -> PoolConfig: the engine pools the judges are served by
+    seed: int  # the prompt order and every request's sampling seed derive from it
+    greedy_baseline: bool  # the advantage's baseline is a greedy rollout of each prompt (ReMax)
+    teacher: bool  # opd: each sample carries the teacher's log-probs of its tokens (teacher.enabled)
+    opd_top_k: int  # ... and the teacher's top-k at each response position (0: none)
+    max_staleness: int  # rl.max_staleness > 0: a producer thread collects the next steps while earlier ones train
+    partial: bool  # partial rollouts: requests a weight update aborts continue under the new weights
+    steps: int  # rl.steps: the producer's last step
+    mini_batches: int  # rl.mini_batches: the step's plan splits each DP rank's rows into a multiple of them
+    max_tokens_per_microbatch: int  # the step's plan packs rows into micro-batches of at most this many tokens
+    progress: bool  # a progress bar over each step's engine requests
+
+
+def rollout_inputs(cfg: TrainConfig) -> RolloutInputs:
+    """The rollout side's inputs from a run's config (RLTrainer and megarl eval alike)."""
+    return RolloutInputs(
+        rollout=cfg.rollout, env=cfg.env, data=cfg.data, reward=cfg.reward, pools=cfg.pools, seed=cfg.seed,
+        greedy_baseline=cfg.algorithm.advantage_estimator in GREEDY_BASELINE, teacher=cfg.teacher.enabled,
+        opd_top_k=cfg.algorithm.opd_top_k, max_staleness=cfg.rl.max_staleness,
+        partial=cfg.rl.max_staleness > 0 and cfg.rl.partial_rollouts, steps=cfg.rl.steps,
+        mini_batches=cfg.rl.mini_batches, max_tokens_per_microbatch=cfg.rl.max_tokens_per_microbatch,
+        progress=cfg.logging.progress)
 
 
 def _validate_judge_stage(name: str, stage: JudgeStage, pools: dict, required: tuple[str, ...]) -> None:
