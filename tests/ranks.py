@@ -296,8 +296,9 @@ def rollout_worker_failure(model_path: str, failing: int) -> str:
     from megarl.rollout.server import EngineError
     from megarl.rewards import RewardPool
     from megarl.rollout.client import Completion
-    from megarl.trainer.config import load_train_config
-    from megarl.trainer.rollout import PromptStream, Rollout, Workers
+    from megarl.trainer.config import load_train_config, rollout_inputs
+    from megarl.trainer.rollout import PromptStream, Workers
+    from megarl.trainer.workers import build_rollout
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -313,7 +314,7 @@ def rollout_worker_failure(model_path: str, failing: int) -> str:
     tok = ChatTokenizer.from_pretrained(model_path)
     records = [PromptRecord(i, [1, 2, 3 + i], str(i), f"{i}") for i in range(8)]
     rewards = RewardPool("exact_match", 1, 10.0)
-    rollout = Rollout(cfg, tok, Router(), rewards)
+    rollout = build_rollout(rollout_inputs(cfg), tok, Router(), rewards)
     workers = Workers(rank, 2, dist.new_group([0, 1]))
     try:
         on_ranks(lambda: rollout.collect(PromptStream(records, seed=1), 1, workers), here=True)

@@ -35,12 +35,15 @@ import re
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..data.chat import stop_token_ids
 from ..errors import UserError
 from ..rollout.server import EngineError
 from .functions import register_reward
+
+if TYPE_CHECKING:
+    from ..trainer.config import JudgeConfig, JudgeStage, PoolConfig, RewardConfig
 
 VERIFIER_TEMPLATE = ("Problem:\n{prompt}\n\nReference answer: {answer}\n\nSolution:\n{response}\n\nIs the solution "
                      "correct? Explain briefly, then end with \\boxed{1} (correct), \\boxed{0.5} (partly correct) or "
@@ -280,13 +283,13 @@ class Judge:
             self.parse_self_score = make_parser(self_verification.pattern)
 
     @classmethod
-    def from_config(cls, cfg, routers: dict, deterministic: bool = True) -> "Judge":
-        """From a TrainConfig (reward.judge, pools) and the pools' routers (megarl.rollout.pools.EnginePools)."""
-        j = cfg.reward.judge
-        meta = judge_model(cfg, routers, j.meta_verifier, META_TEMPLATE, "reward.judge.meta_verifier",
-                           deterministic) if j.meta_verifier else None
-        return cls(judge_model(cfg, routers, j, VERIFIER_TEMPLATE, "reward.judge", deterministic), meta,
-                   j.self_verification)
+    def from_config(cls, judge: JudgeConfig, pools: dict[str, PoolConfig], routers: dict,
+                    deterministic: bool = True) -> "Judge":
+        """From reward.judge, the pools' settings (pools:) and their routers (megarl.rollout.pools.EnginePools)."""
+        meta = judge_model(judge.meta_verifier, pools, routers, META_TEMPLATE, "reward.judge.meta_verifier",
+                           deterministic) if judge.meta_verifier else None
+        return cls(judge_model(judge, pools, routers, VERIFIER_TEMPLATE, "reward.judge", deterministic), meta,
+                   judge.self_verification)
 
     def score(self, prompts: list[str], responses: list[str], answers: list, seeds: list[int | None]) -> list[Verdict]:
         """One Verdict per response (its score is the reward)."""
@@ -342,8 +345,10 @@ class Judge:
         return verdicts
 
 
-def judge_model(cfg, routers: dict, stage, default_template: str, field: str, deterministic: bool) -> JudgeModel:
-    """The JudgeModel of one stage: its pool's router (from megarl.rollout.pools.EnginePools) and tokenizer."""
+def judge_model(stage: JudgeStage, pools: dict[str, PoolConfig], routers: dict, default_template: str, field: str,
+                deterministic: bool) -> JudgeModel:
+    """The JudgeModel of one stage: its pool's router (from megarl.rollout.pools.EnginePools) and tokenizer (from the
+    pool's settings, pools.<stage.pool>)."""
     from transformers import AutoTokenizer
 
     from ..rollout.pools import pool_tokenizer_path
@@ -351,7 +356,7 @@ def judge_model(cfg, routers: dict, stage, default_template: str, field: str, de
     if stage.pool not in routers:
         raise ValueError(f"{field}.pool={stage.pool!r}: no router for that pool was handed to the rollout "
                          f"(have {sorted(routers)})")
-    path = pool_tokenizer_path(cfg.pools[stage.pool], routers[stage.pool].clients[0], f"pools.{stage.pool}")
+    path = pool_tokenizer_path(pools[stage.pool], routers[stage.pool].clients[0], f"pools.{stage.pool}")
     return JudgeModel(stage, routers[stage.pool], AutoTokenizer.from_pretrained(path), default_template,
                       deterministic, field)
 
@@ -367,9 +372,11 @@ class VerificationQuality:
         self.meta = meta
 
     @classmethod
-    def from_config(cls, cfg, routers: dict, deterministic: bool = True) -> "VerificationQuality":
-        return cls(judge_model(cfg, routers, cfg.reward.judge.meta_verifier, META_TRAINING_TEMPLATE,
-                               "reward.judge.meta_verifier", deterministic))
+    def from_config(cls, meta_verifier: JudgeStage, pools: dict[str, PoolConfig], routers: dict,
+                    deterministic: bool = True) -> "VerificationQuality":
+        """From reward.judge.meta_verifier, the pools' settings (pools:) and their routers."""
+        return cls(judge_model(meta_verifier, pools, routers, META_TRAINING_TEMPLATE, "reward.judge.meta_verifier",
+                               deterministic))
 
     def judge(self, prompts: list[str], analyses: list[str], answers: list, seeds: list[int | None]) -> list[dict]:
         """Per response, the info for Sample.extra: {"meta_verifier": {"quality", "texts", "scores"},
@@ -385,6 +392,17 @@ class VerificationQuality:
             out.append({"meta_verifier": {"quality": quality, "texts": ts, "scores": ps},
                         "judge_parse_errors": sum(p is None for p in ps), "judged": 1})
         return out
+
+
+def reward_judges(reward: RewardConfig, pools: dict[str, PoolConfig], routers: dict,
+                  deterministic: bool = True) -> tuple[Judge | None, VerificationQuality | None]:
+    """The models reward.name has the rollout ask, over the pools' routers: a Judge (reward.name: judge, its score
+    is the reward), a VerificationQuality (verifier_agreement with reward.judge.meta_verifier, its quality weights
+    the reward); None for each the reward does not use."""
+    judge = Judge.from_config(reward.judge, pools, routers, deterministic) if reward.name == "judge" else None
+    quality = VerificationQuality.from_config(reward.judge.meta_verifier, pools, routers, deterministic) \
+        if reward.name == "verifier_agreement" and reward.judge.meta_verifier is not None else None
+    return judge, quality
 
 
 def weighted(future: Future, weights: list[float]) -> Future:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from ..algorithms import AlgorithmConfig
+from ..algorithms.advantages import estimator
 from ..config import ConfigError, load_config
 from ..parallel import ModelShape, ParallelConfig
 
@@ -500,8 +501,6 @@ class TrainConfig:
             # stale tokens trained as if on-policy learn worse (benchmarks/async_rl.py: 4-21 points of pass@1 behind
             # the synchronous run): asynchronous steps get PPO's decoupled objective unless a mode is chosen
             self.algorithm.mismatch.mode = "tis" if self.rl.max_staleness else "none"
-        from ..algorithms.advantages import estimator
-
         if estimator(self.algorithm.advantage_estimator).needs_groups and self.rollout.n_samples < 2:
             raise ConfigError(f"algorithm.advantage_estimator={self.algorithm.advantage_estimator} compares the "
                               f"samples of one prompt, but rollout.n_samples={self.rollout.n_samples}. Fix: set "
@@ -536,18 +535,16 @@ class TrainConfig:
         return self
 
     def _validate_teacher(self) -> None:
-        from ..algorithms.advantages import estimator as registered
-
-        t, estimator = self.teacher, self.algorithm.advantage_estimator
-        needs_teacher = registered(estimator).needs_teacher
+        t, name = self.teacher, self.algorithm.advantage_estimator
+        needs_teacher = estimator(name).needs_teacher
         if needs_teacher and not t.enabled:
-            raise ConfigError(f"algorithm.advantage_estimator={estimator} distils from a teacher, but the teacher: "
+            raise ConfigError(f"algorithm.advantage_estimator={name} distils from a teacher, but the teacher: "
                               "section is empty. Fix: set teacher.model (an HF folder with the policy's tokenizer) "
                               "or teacher.urls")
         if t.enabled and not needs_teacher:
             raise ConfigError(f"teacher.{'model' if t.model else 'urls'} is set but algorithm.advantage_estimator="
-                              f"{estimator} does not use a teacher. Fix: advantage_estimator: opd, or unset teacher")
-        if estimator == "opd" and self.algorithm.opd_reward_weight and self.rollout.n_samples < 2:
+                              f"{name} does not use a teacher. Fix: advantage_estimator: opd, or unset teacher")
+        if name == "opd" and self.algorithm.opd_reward_weight and self.rollout.n_samples < 2:
             raise ConfigError(f"algorithm.opd_reward_weight={self.algorithm.opd_reward_weight} mixes in the task "
                               f"reward's GRPO advantage, which needs rollout.n_samples >= 2 (got "
                               f"{self.rollout.n_samples}). Fix: rollout.n_samples: 4, or opd_reward_weight: 0")
@@ -649,6 +646,39 @@ class TrainConfig:
     def _value(self, dotted: str):
         section, key = dotted.split(".")
         return getattr(getattr(self, section), key)
+
+
+@dataclass(frozen=True)
+class RolloutInputs:
+    """What the rollout side of an RL run reads (megarl.trainer.workers: the rollout workers and the Rollout they
+    build): its own config sections, and the run-wide values it needs, each named for what it does there.
+    rollout_inputs(cfg) is the one place they are read off a TrainConfig."""
+    rollout: RolloutConfig
+    env: EnvConfig
+    data: DataConfig  # the training prompts (data.train) and how they are read
+    reward: RewardConfig  # the reward pools; reward.judge: a generative reward's models
+    pools: dict  # name -> PoolConfig: the engine pools the judges are served by
+    seed: int  # the prompt order and every request's sampling seed derive from it
+    greedy_baseline: bool  # the advantage's baseline is a greedy rollout of each prompt (ReMax)
+    teacher: bool  # opd: each sample carries the teacher's log-probs of its tokens (teacher.enabled)
+    opd_top_k: int  # ... and the teacher's top-k at each response position (0: none)
+    max_staleness: int  # rl.max_staleness > 0: a producer thread collects the next steps while earlier ones train
+    partial: bool  # partial rollouts: requests a weight update aborts continue under the new weights
+    steps: int  # rl.steps: the producer's last step
+    mini_batches: int  # rl.mini_batches: the step's plan splits each DP rank's rows into a multiple of them
+    max_tokens_per_microbatch: int  # the step's plan packs rows into micro-batches of at most this many tokens
+    progress: bool  # a progress bar over each step's engine requests
+
+
+def rollout_inputs(cfg: TrainConfig) -> RolloutInputs:
+    """The rollout side's inputs from a run's config (RLTrainer and megarl eval alike)."""
+    return RolloutInputs(
+        rollout=cfg.rollout, env=cfg.env, data=cfg.data, reward=cfg.reward, pools=cfg.pools, seed=cfg.seed,
+        greedy_baseline=estimator(cfg.algorithm.advantage_estimator).greedy_baseline, teacher=cfg.teacher.enabled,
+        opd_top_k=cfg.algorithm.opd_top_k, max_staleness=cfg.rl.max_staleness,
+        partial=cfg.rl.max_staleness > 0 and cfg.rl.partial_rollouts, steps=cfg.rl.steps,
+        mini_batches=cfg.rl.mini_batches, max_tokens_per_microbatch=cfg.rl.max_tokens_per_microbatch,
+        progress=cfg.logging.progress)
 
 
 def _validate_judge_stage(name: str, stage: JudgeStage, pools: dict, required: tuple[str, ...]) -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel
-from ..data import PROCEDURAL, ChatTokenizer, load_prompts, load_responses
+from ..data import PROCEDURAL, ChatTokenizer, PromptRecord, load_prompts, load_responses
 from ..errors import about, on_rank0
 from ..evaluation import plot_pass_at_k
 from ..losses import compute_log_probs
@@ -28,18 +28,19 @@ from ..rollout.fleet import EngineFleet
 from .async_rollout import version_name
 from .batching import Sample, rank_batch
 from .checkpoint import latest_checkpoint
-from .config import fleet_spec
+from .config import DataConfig, fleet_spec, rollout_inputs
 from .metrics import over_last_stage
 from .rollout import Rollout
-from .workers import reward_pools
+from .workers import build_rollout, reward_pools
 from .setup import build_policy, init_parallel, moe_config_overrides, prepare_model_folder, prompt_tools, resolve_load
 
 
-def held_out_prompts(cfg, tok) -> list:
-    """The held-out prompts (data.eval, or a procedural source's held-out split; none without either)."""
-    spec = cfg.data.eval or (cfg.data.train if cfg.data.train in PROCEDURAL else None)
+def held_out_prompts(data: DataConfig, tok, tools: list[dict] | None) -> list[PromptRecord]:
+    """The held-out prompts (data.eval, or a procedural source's held-out split; none without either), with the tool
+    schemas the prompts render (megarl.trainer.setup.prompt_tools)."""
+    spec = data.eval or (data.train if data.train in PROCEDURAL else None)
     with about(f"data.eval={spec}"):
-        return load_prompts(spec, tok, cfg.data, "eval", prompt_tools(cfg)) if spec else []
+        return load_prompts(spec, tok, data, "eval", tools) if spec else []
 
 
 def held_out_metrics(rollout: Rollout, records: list, rl, rollout_cfg, tag, samples: int | None = None):
@@ -104,14 +105,15 @@ def run_eval(cfg, samples: int | None = None, responses: str | None = None, out:
 
         def start_rollout():
             nonlocal records, rewards, eval_rewards
-            records = held_out_prompts(cfg, tok)
+            records = held_out_prompts(cfg.data, tok, prompt_tools(cfg.env))
             rewards, eval_rewards = reward_pools(cfg.reward, 0)  # with the held-out set's own checker
 
         on_rank0(start_rollout)  # a bad data file fails before anything waits for an engine
         fleet.connect()
         if rank == 0:
-            rollout = Rollout(cfg, tok, EngineRouter(fleet.clients, cfg.rollout.engine.router_policy), rewards,
-                              tools=prompt_tools(cfg), pools=fleet.pool_routers(), eval_rewards=eval_rewards)
+            router = EngineRouter(fleet.clients, cfg.rollout.engine.router_policy)
+            rollout = build_rollout(rollout_inputs(cfg), tok, router, rewards, pool_routers=fleet.pool_routers(),
+                                    eval_rewards=eval_rewards)
         fleet.resume_memory()
         syncs = engine_syncs(fleet.clients, policy.bridge, policy.chunks, cfg.reshard, cfg.rollout.engine,
                              cfg.run_dir, rank, local=fleet.local)
@@ -121,7 +123,7 @@ def run_eval(cfg, samples: int | None = None, responses: str | None = None, out:
         metrics, curve = on_rank0(lambda: held_out_metrics(rollout, records, cfg.rl, cfg.rollout, "eval", samples))
         result.update(metrics)
         if responses:
-            pairs = on_rank0(lambda: load_responses(responses, tok, cfg.data, prompt_tools(cfg)))
+            pairs = on_rank0(lambda: load_responses(responses, tok, cfg.data, prompt_tools(cfg.env)))
             stats = response_stats(policy, tok, groups, cfg.algorithm, cfg.rl.max_tokens_per_microbatch,
                                    fleet.clients[0] if rank == 0 else None, pairs)
             result.update({f"responses/{k}": v for k, v in stats.items()})

@@ -31,13 +31,13 @@ from . import metrics, step as phases
 from .async_rollout import version_name
 from .batching import RankBatch
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import fleet_spec
+from .config import fleet_spec, rollout_inputs
 from .evaluate import held_out_metrics, held_out_prompts
 from .logging import MetricsLog, PhaseTimer
 from .preemption import StopRequest
 from .workers import RolloutWorkers
 from .setup import (build_critic, build_policy, build_reference, init_parallel, moe_config_overrides,
-                    prepare_model_folder, resolve_load)
+                    prepare_model_folder, prompt_tools, resolve_load)
 
 
 
@@ -108,8 +108,9 @@ class RLTrainer:
         # the rollout workers read the training prompts and start their reward pools (a bad data file fails in
         # seconds, before anything waits for an engine); then rank 0 reads the held-out data and waits for its
         # engines. A failure on one rank reaches every rank.
-        self.side = RolloutWorkers(cfg, self.tok, self.groups, self.rank, self.started, self._routing_shape())
-        self.eval_records = on_rank0(lambda: held_out_prompts(cfg, self.tok))
+        self.side = RolloutWorkers(rollout_inputs(cfg), self.tok, self.groups, self.rank, self.started,
+                                   self._routing_shape())
+        self.eval_records = on_rank0(lambda: held_out_prompts(cfg.data, self.tok, prompt_tools(cfg.env)))
         self.clients = self.fleet.connect().clients
         self.side.connect(self.fleet)
         self.syncs = engine_syncs(self.clients, self.bridge, self.policy.chunks, cfg.reshard, cfg.rollout.engine,

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..algorithms.advantages import estimator
 from ..data import PromptRecord
 from ..envs import Episode, make_env, run_episodes
 from ..envs.episode import check_turn
@@ -26,6 +25,7 @@ from ..rewards.judge import Judge, VerificationQuality, scored as judged, weight
 from ..rollout.teacher import TaughtResponse
 from .async_rollout import token_versions
 from .batching import Sample
+from .config import EnvConfig, RolloutConfig
 
 
 def request_seed(*parts) -> int:
@@ -89,40 +89,46 @@ class Workers:
 
 
 class Rollout:
-    def __init__(self, cfg, tokenizer, router, rewards, tools=None, teacher=None, pools=None, eval_rewards=None):
-        self.cfg, self.tok, self.router, self.rewards, self.tools = cfg, tokenizer, router, rewards, tools
+    """Generates and scores samples: the rollout section's sampling settings, the env's episodes (env.name), the
+    reward pool's scores (or a judge's); seed: the run's, every request's sampling seed derives from it."""
+
+    def __init__(self, rollout: RolloutConfig, env: EnvConfig, tokenizer, router, rewards, *, seed: int = 0,
+                 partial: bool = False, greedy_baseline: bool = False, opd_top_k: int = 0, progress: bool = False,
+                 judge: Judge | None = None, verification_quality: VerificationQuality | None = None,
+                 tools: list[dict] | None = None, teacher=None, eval_rewards=None):
+        self.config, self.env, self.tok, self.router, self.rewards = rollout, env, tokenizer, router, rewards
+        self.seed, self.tools, self.progress = seed, tools, progress
         # reward.eval_name: the held-out evaluation's checker (a RewardPool); None: the training reward scores it too
         self.eval_rewards = eval_rewards
         self.teacher = teacher  # opd: megarl.rollout.teacher.Teacher, asked for each sample's response log-probs
-        # reward.name: judge: a generative reward, its models reached through the pools' routers ({name: EngineRouter},
-        # megarl.rollout.pools), asked in each chunk's thread as the chunk returns
-        self.judge = Judge.from_config(cfg, pools or {}, cfg.rollout.deterministic) \
-            if cfg.reward.name == "judge" else None
+        self.opd_top_k = opd_top_k  # opd: the teacher's top-k at each response position too (0: none)
+        # reward.name: judge: a generative reward, its models reached through the pools' routers (megarl.rollout.pools),
+        # asked in each chunk's thread as the chunk returns
+        self.judge = judge
         # training a verifier (verifier_agreement) with a meta-verifier: its quality of each analysis weights the reward
-        self.verification_quality = VerificationQuality.from_config(cfg, pools or {}, cfg.rollout.deterministic) \
-            if cfg.reward.name == "verifier_agreement" and cfg.reward.judge.meta_verifier is not None else None
+        self.verification_quality = verification_quality
         # asynchronous RL with partial rollouts: a weight update aborts requests in flight; they continue under it
-        self.partial = cfg.rl.max_staleness > 0 and cfg.rl.partial_rollouts
-        self.stop_ids = sorted(set(tokenizer.stop_ids) | set(cfg.rollout.stop_token_ids))
+        self.partial = partial
+        self.stop_ids = sorted(set(tokenizer.stop_ids) | set(rollout.stop_token_ids))
         # the estimator's baseline is a greedy rollout of each prompt (ReMax): collect() asks the engines for it
-        self.greedy_baseline = estimator(cfg.algorithm.advantage_estimator).greedy_baseline
+        self.greedy_baseline = greedy_baseline
         self._threads = ThreadPoolExecutor(max_workers=8)
         self._env_threads = ThreadPoolExecutor(max_workers=8)  # tool calls (separate: chunks run on _threads)
 
     def sampling_params(self, seed: int | None, temperature: float, max_new_tokens: int) -> dict:
-        params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": self.cfg.rollout.top_p,
+        params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": self.config.top_p,
                   "stop_token_ids": self.stop_ids, "skip_special_tokens": False, "no_stop_trim": True}
-        if seed is not None and self.cfg.rollout.deterministic:
+        if seed is not None and self.config.deterministic:
             params["sampling_seed"] = seed
         return params
 
     def _episodes(self, piece, seed_parts: tuple, temperature: float, max_new_tokens: int) -> list[Episode]:
         """One episode per request (record, sample index): a single engine turn, or a multi-turn env episode."""
         records = [r for _, r, _ in piece]
-        env = self.cfg.env
+        env = self.env
 
         def generate(prompts, params):  # partial rollouts: requests a weight update aborted continue under it
-            return self.router.generate(prompts, params, return_routed_experts=self.cfg.rollout.engine_routing,
+            return self.router.generate(prompts, params, return_routed_experts=self.config.engine_routing,
                                         resume_aborted=self.partial)
 
         if env.name is None:
@@ -158,11 +164,11 @@ class Rollout:
         (held-out evaluation with reward.eval_name): the reward is the eval checker's, the training reward's score is
         kept in extra["train_reward"]."""
         requests = [(g, r, j) for g, r in enumerate(records) for j in range(n)]
-        chunk = self.cfg.rollout.request_size * n
+        chunk = self.config.request_size * n
         pieces = [(requests[i:i + chunk], temperature) for i in range(0, len(requests), chunk)]
         if greedy_baseline:
             greedy = [(g, r, "greedy") for g, r in enumerate(records)]
-            size = self.cfg.rollout.request_size
+            size = self.config.request_size
             pieces = [(greedy[i:i + size], 0.0) for i in range(0, len(greedy), size)] + pieces
 
         def run(item):
@@ -188,17 +194,17 @@ class Rollout:
             checked = self.eval_rewards.submit(texts) if check and self.eval_rewards is not None else None
             taught = self.teacher.response_log_probs([e.prompt_ids for e in episodes],
                                                      [e.response_ids for e in episodes],
-                                                     top_k=self.cfg.algorithm.opd_top_k) \
+                                                     top_k=self.opd_top_k) \
                 if teacher and temp > 0 else [TaughtResponse(None)] * len(episodes)  # never for greedy rollouts
             return episodes, (scored, checked, taught)
 
         samples, baselines = [], []
         results = self._threads.map(run, pieces)
-        if self.cfg.logging.progress:
+        if self.progress:
             from tqdm import tqdm
 
             results = tqdm(results, total=len(pieces), desc="generate", unit="req", leave=False, dynamic_ncols=True)
-        multi_turn = self.cfg.env.name is not None
+        multi_turn = self.env.name is not None
         prompts: dict[int, np.ndarray] = {}
         # Each chunk's token ids and log-probs become arrays as it returns, while later chunks still generate: the
         # step's data is then packed by concatenation (megarl.trainer.batching.PackedRollout), not from lists.
@@ -232,7 +238,7 @@ class Rollout:
     def collect(self, stream: PromptStream, step: int, workers: Workers = Workers()) -> tuple[list[Sample], dict]:
         """One step's samples (rollout.prompts_per_step groups of n_samples) and rollout statistics; with several
         workers, this worker's share of them (Sample.group is the step-wide group; sample index = group * n + j)."""
-        ro, n = self.cfg.rollout, self.cfg.rollout.n_samples
+        ro, n = self.config, self.config.n_samples
         kept, dropped, rounds, prompts_used = [], [], 0, 0
         while len(kept) < ro.prompts_per_step and rounds < (ro.max_sampling_rounds if ro.dynamic_sampling else 1):
             need = ro.prompts_per_step - len(kept)
@@ -241,7 +247,7 @@ class Rollout:
             mine = list(range(workers.index, len(records), workers.count))
             failure, samples = None, []
             try:
-                samples = self.generate([records[p] for p in mine], n, (self.cfg.seed, step, rounds),
+                samples = self.generate([records[p] for p in mine], n, (self.seed, step, rounds),
                                         ro.temperature, ro.max_new_tokens, greedy_baseline=self.greedy_baseline,
                                         teacher=self.teacher is not None)
             except UserError as e:  # the other workers must not wait for this one's round forever
@@ -274,7 +280,7 @@ class Rollout:
 
     def _shape(self, samples: list[Sample]) -> None:
         """Overlong handling: mask truncated responses out of the loss, or the DAPO soft length penalty."""
-        ro = self.cfg.rollout
+        ro = self.config
         for s in samples:
             truncated = s.finish_reason == "length"
             if ro.overlong == "mask" and truncated:
@@ -289,8 +295,8 @@ class Rollout:
         """Held-out metrics over n samples per prompt: pass@1 (mean correctness, %), pass@k for k = 1, 2, 4, .., n
         (unbiased estimator, %), maj@n (majority vote over normalised final answers, %), response and tool-use
         statistics; and the full pass@k curve {k: fraction}."""
-        samples = self.generate(records, n, (self.cfg.seed, "eval", tag), temperature,
-                                self.cfg.rollout.max_new_tokens, check=True)
+        samples = self.generate(records, n, (self.seed, "eval", tag), temperature, self.config.max_new_tokens,
+                                check=True)
         groups = [samples[g * n:(g + 1) * n] for g in range(len(records))]
         correct = [[s.reward > 0.5 for s in group] for group in groups]
         curve = pass_at_k_curve(correct)

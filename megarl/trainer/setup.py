@@ -12,6 +12,7 @@ from .. import parallel, platform
 from ..compat import megatron as megatron_compat
 from ..config import ConfigError
 from ..models import ModelBridge, open_model_folder, write_tiny_model
+from .config import EnvConfig
 
 
 def prepare_model_folder(cfg) -> str:
@@ -177,11 +178,11 @@ def resolve_checkpoint(path: str) -> str:
     return found
 
 
-def prompt_tools(cfg) -> list[dict] | None:
-    """The tool schemas the chat template renders into prompts (and SFT samples), or None (no env, or
+def prompt_tools(env: EnvConfig) -> list[dict] | None:
+    """The env's tool schemas the chat template renders into prompts (and SFT samples), or None (no env, or
     env.tools_in_prompt off: the model learned its tools from the SFT data)."""
-    if cfg.env.name is None or not cfg.env.tools_in_prompt:
+    if env.name is None or not env.tools_in_prompt:
         return None
     from ..envs import resolve_tools
 
-    return [t.schema() for t in resolve_tools(list(cfg.env.tools))]
+    return [t.schema() for t in resolve_tools(list(env.tools))]

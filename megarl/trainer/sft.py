@@ -34,7 +34,7 @@ class SFTTrainer(OfflineTrainer):
     name, show = "sft", ("nll",)
 
     def load_items(self) -> list:
-        return load_sft_samples(self.section.data, self.tok, self.cfg.data, tools=prompt_tools(self.cfg))
+        return load_sft_samples(self.section.data, self.tok, self.cfg.data, tools=prompt_tools(self.cfg.env))
 
     def load_path(self) -> str | None:
         return None if self.cfg.model.load == "sft" else resolve_load(self.cfg)  # "sft" is what this run produces

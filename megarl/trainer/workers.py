@@ -2,9 +2,10 @@
 stream and reward pools, the Rollout that asks the engines and scores, and, under rl.max_staleness, the producer
 thread that collects the next steps' rollouts while earlier steps train.
 
-    side = RolloutWorkers(cfg, tok, groups, rank, started)   # a collective: chooses the workers, reads the data
-    side.connect(fleet)                                      # after the engines are up: routers and the Rollout
-    batch = side.take(step)                                  # a worker's share of the step (None elsewhere)
+    inputs = rollout_inputs(cfg)  # what the rollout side reads of the run (megarl.trainer.config)
+    side = RolloutWorkers(inputs, tok, groups, rank, started, routing_shape)  # a collective: picks workers, reads data
+    side.connect(fleet)           # after the engines are up: routers and the Rollout
+    batch = side.take(step)       # a worker's share of the step (None elsewhere)
 """
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ import torch.distributed as dist
 from ..data import load_prompts
 from ..errors import about, on_ranks
 from ..rewards import RewardPool
+from ..rewards.judge import reward_judges
 from ..rollout import EngineRouter
 from .async_rollout import RolloutBatch, RolloutProducer, sample_version_stats, version_name
 from .batching import BatchPlan, PackedRollout
+from .config import RewardConfig, RolloutInputs
 from .rollout import PromptStream, Rollout, Workers, rollout_metrics
 from .setup import prompt_tools
 
@@ -45,7 +48,7 @@ def choose_workers(mode: str, remote_engines: bool, groups, rank: int) -> tuple[
     return Workers(ranks.index(rank) if rank in ranks else 0, len(ranks), group), ranks
 
 
-def reward_pools(reward, rank: int) -> tuple[RewardPool, RewardPool | None]:
+def reward_pools(reward: RewardConfig, rank: int) -> tuple[RewardPool, RewardPool | None]:
     """The reward section's pool, and on rank 0 the held-out evaluation's own checker (reward.eval_name; None when it
     is the training reward)."""
     pool = RewardPool(reward.name, reward.workers, reward.timeout_s, reward.kwargs)
@@ -54,17 +57,34 @@ def reward_pools(reward, rank: int) -> tuple[RewardPool, RewardPool | None]:
     return pool, checker
 
 
+def build_rollout(inputs: RolloutInputs, tok, router, rewards: RewardPool, *, pool_routers: dict | None = None,
+                  teacher=None, eval_rewards: RewardPool | None = None) -> Rollout:
+    """The Rollout of a run's rollout side (RolloutWorkers, megarl eval): its sections and values, with the tools the
+    prompts render, the judges reward.name asks for over the pools' routers ({name: EngineRouter},
+    megarl.rollout.pools), the teacher (opd: a megarl.rollout.teacher.Teacher) and the held-out checker."""
+    judge, quality = reward_judges(inputs.reward, inputs.pools, pool_routers or {}, inputs.rollout.deterministic)
+    return Rollout(inputs.rollout, inputs.env, tok, router, rewards, seed=inputs.seed, partial=inputs.partial,
+                   greedy_baseline=inputs.greedy_baseline, opd_top_k=inputs.opd_top_k, progress=inputs.progress,
+                   judge=judge, verification_quality=quality, tools=prompt_tools(inputs.env), teacher=teacher,
+                   eval_rewards=eval_rewards)
+
+
 def _listed(values):
     """JSON-ready: arrays (what the rollout holds) as lists; None stays None."""
     return values.tolist() if hasattr(values, "tolist") else values
 
 
 class RolloutWorkers:
-    def __init__(self, cfg, tok, groups, rank: int, started: float, routing_shape):
-        self.cfg, self.tok, self.rank, self.started = cfg, tok, rank, started
+    """inputs: what the rollout side reads of the run (megarl.trainer.config.rollout_inputs); started: the trainer's
+    start (time.perf_counter), for the generation timeline; routing_shape: MoE with the engine's routing."""
+
+    def __init__(self, inputs: RolloutInputs, tok, groups, rank: int, started: float,
+                 routing_shape: tuple[int, int] | None):
+        self.inputs, self.tok, self.rank, self.started = inputs, tok, rank, started
         self.tp_size, self.dp_size = groups.mcore.tp.size(), groups.dp_size
         self.routing_shape = routing_shape  # MoE with the engine's routing: [layers, top-k] per position
-        self.workers, self.ranks = choose_workers(cfg.rollout.workers, bool(cfg.rollout.engine.urls), groups, rank)
+        engine = inputs.rollout.engine
+        self.workers, self.ranks = choose_workers(inputs.rollout.workers, bool(engine.urls), groups, rank)
         self.here = rank in self.ranks
         self.batch: RolloutBatch | None = None  # this worker's share of the current step's rollout
         self.producer: RolloutProducer | None = None
@@ -76,19 +96,19 @@ class RolloutWorkers:
         on_ranks(self._start, here=self.here)
 
     def _start(self) -> None:
-        cfg = self.cfg
-        self.tools = prompt_tools(cfg)
-        with about(f"data.train={cfg.data.train}"):
-            records = load_prompts(cfg.data.train, self.tok, cfg.data, "train", self.tools)
-        self.stream = PromptStream(records, cfg.seed, cfg.data.shuffle)
-        self.rewards, self.eval_rewards = reward_pools(cfg.reward, self.rank)
+        data = self.inputs.data
+        with about(f"data.train={data.train}"):
+            records = load_prompts(data.train, self.tok, data, "train", prompt_tools(self.inputs.env))
+        self.stream = PromptStream(records, self.inputs.seed, data.shuffle)
+        self.rewards, self.eval_rewards = reward_pools(self.inputs.reward, self.rank)
 
     def connect(self, fleet) -> None:
         """The workers' router over the policy engines, and the Rollout (with the teacher and the pools)."""
         if self.here:
-            self.router = EngineRouter(fleet.clients, self.cfg.rollout.engine.router_policy)
-            self.rollout = Rollout(self.cfg, self.tok, self.router, self.rewards, tools=self.tools,
-                                   teacher=fleet.teacher(), pools=fleet.pool_routers(), eval_rewards=self.eval_rewards)
+            self.router = EngineRouter(fleet.clients, self.inputs.rollout.engine.router_policy)
+            self.rollout = build_rollout(self.inputs, self.tok, self.router, self.rewards,
+                                         pool_routers=fleet.pool_routers(), teacher=fleet.teacher(),
+                                         eval_rewards=self.eval_rewards)
 
     def resume(self, state: dict, step: int, path: str) -> None:
         """Every worker keeps the same prompt stream. Asynchronous RL: the finished, untrained rollouts saved with the
@@ -101,9 +121,9 @@ class RolloutWorkers:
 
     def start_producer(self, step: int) -> None:
         """rl.max_staleness > 0: the producer thread collects the rollouts of the steps after `step`."""
-        rl = self.cfg.rl
-        if rl.max_staleness and self.here:
-            self.producer = RolloutProducer(self.collect, step + 1, rl.steps, rl.max_staleness, step,
+        inputs = self.inputs
+        if inputs.max_staleness and self.here:
+            self.producer = RolloutProducer(self.collect, step + 1, inputs.steps, inputs.max_staleness, step,
                                             ready=self.queued)
 
     def take(self, step: int) -> RolloutBatch | None:
@@ -117,18 +137,18 @@ class RolloutWorkers:
         step's samples (kept for metrics and dumps), packed under their step-wide indices (group * n_samples + j),
         the step's plan from every sample's length, and the rollout statistics; sums over the workers (the same on
         every worker). Only the workers' own group is used: the main thread's collectives run meanwhile."""
-        cfg, n = self.cfg, self.cfg.rollout.n_samples
+        inputs, n = self.inputs, self.inputs.rollout.n_samples
         before, started = self.stream.state(), time.perf_counter() - self.started
         samples, stats = self.rollout.collect(self.stream, step, self.workers)
         packed = PackedRollout.from_samples(samples, routing=self.routing_shape is not None, group_size=n,
-                                            teacher=cfg.teacher.enabled, versions=cfg.rl.max_staleness > 0,
-                                            teacher_top_k=cfg.algorithm.opd_top_k)
-        plan = BatchPlan.from_workers(packed, cfg.rollout.prompts_per_step * n, n, self.workers.sum, self.dp_size,
-                                      self.tp_size, cfg.rl.max_tokens_per_microbatch, row_multiple=cfg.rl.mini_batches)
+                                            teacher=inputs.teacher, versions=inputs.max_staleness > 0,
+                                            teacher_top_k=inputs.opd_top_k)
+        plan = BatchPlan.from_workers(packed, inputs.rollout.prompts_per_step * n, n, self.workers.sum, self.dp_size,
+                                      self.tp_size, inputs.max_tokens_per_microbatch, row_multiple=inputs.mini_batches)
         stats.update(rollout_metrics(samples, self.workers, version_name(step - 1) if step > 1 else None))
         errors = self.workers.sum(torch.tensor([float(self.rewards.take_errors())]))
         stats["reward/errors"] = int(errors[0])
-        if cfg.rl.max_staleness:
+        if inputs.max_staleness:
             versions = sample_version_stats(samples)
             (partial, count), oldest = self.workers.sum(versions[:2].clone()).tolist(), -self.workers.max(-versions[2:])
             stats.update({"async/partial_sample_frac": partial / max(count, 1),

@@ -211,7 +211,9 @@ def test_teacher_log_probs_and_opd_advantages_equal_transformers(teacher_engine,
     from megarl.rewards import RewardPool
     from megarl.rollout import EngineClient, EngineRouter
     from megarl.rollout.teacher import Teacher, TeacherTokenizerMismatch
-    from megarl.trainer.rollout import PromptStream, Rollout
+    from megarl.trainer.config import rollout_inputs
+    from megarl.trainer.rollout import PromptStream
+    from megarl.trainer.workers import build_rollout
 
     student, teacher = tiny_model_dir("qwen2", seed=1), tiny_model_dir("qwen2")
     n, weight = 2, 0.5
@@ -228,7 +230,7 @@ def test_teacher_log_probs_and_opd_advantages_equal_transformers(teacher_engine,
     Teacher([client]).check_tokenizer(student)  # teacher.urls: the server's tokenizer (SGLang /model_info) is the same
     with pytest.raises(TeacherTokenizerMismatch, match=r"^teacher\.urls\[0\] .* Fix: "):
         Teacher([client]).check_tokenizer(tiny_model_dir("qwen2", tokenizer="char"))
-    rollout = Rollout(cfg, tok, EngineRouter([client]), rewards, teacher=Teacher([client]))
+    rollout = build_rollout(rollout_inputs(cfg), tok, EngineRouter([client]), rewards, teacher=Teacher([client]))
     try:
         samples, _ = rollout.collect(PromptStream(load_prompts("synthetic", tok, cfg.data), seed=0), step=1)
     finally:

@@ -68,7 +68,9 @@ def test_greedy_baseline_is_the_reward_of_the_engines_temperature_0_completion(e
     from megarl.rollout import EngineClient, EngineRouter
     from megarl.testing import tiny_model_dir
     from megarl.trainer import load_train_config
-    from megarl.trainer.rollout import PromptStream, Rollout
+    from megarl.trainer.config import rollout_inputs
+    from megarl.trainer.rollout import PromptStream
+    from megarl.trainer.workers import build_rollout
 
     path, n, new_tokens = tiny_model_dir("qwen2"), 3, 6
     cfg = load_train_config(None, [f"run_dir={tmp_path}", f"model.path={path}", "algorithm.advantage_estimator=remax",
@@ -78,7 +80,7 @@ def test_greedy_baseline_is_the_reward_of_the_engines_temperature_0_completion(e
     tok = ChatTokenizer.from_pretrained(path)
     client = EngineClient(engine.url)
     rewards = RewardPool(cfg.reward.name, cfg.reward.workers)
-    rollout = Rollout(cfg, tok, EngineRouter([client]), rewards)
+    rollout = build_rollout(rollout_inputs(cfg), tok, EngineRouter([client]), rewards)
     try:
         samples, stats = rollout.collect(PromptStream(load_prompts("synthetic", tok, cfg.data), seed=0), step=1)
     finally:

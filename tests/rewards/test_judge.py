@@ -380,7 +380,9 @@ def test_rollout_judged_by_a_real_engine(tiny_qwen2_engine, tmp_path):
     from megarl.data import ChatTokenizer, load_prompts
     from megarl.rewards import RewardPool
     from megarl.rollout import EngineClient, EngineRouter
-    from megarl.trainer.rollout import PromptStream, Rollout, rollout_metrics
+    from megarl.trainer.config import rollout_inputs
+    from megarl.trainer.rollout import PromptStream, rollout_metrics
+    from megarl.trainer.workers import build_rollout
 
     path, url = tiny_model_dir("qwen2"), tiny_qwen2_engine.url
     cfg = _cfg(f"run_dir={tmp_path}", "rollout.n_samples=2", "rollout.prompts_per_step=3", "rollout.request_size=2",
@@ -401,8 +403,9 @@ def test_rollout_judged_by_a_real_engine(tiny_qwen2_engine, tmp_path):
             return done
 
     rewards = RewardPool(cfg.reward.name, cfg.reward.workers)
-    rollout = Rollout(cfg, tok, EngineRouter([EngineClient(url)]), rewards,
-                      pools={"judge": Recording([EngineClient(url)]), "meta": EngineRouter([EngineClient(url)])})
+    rollout = build_rollout(rollout_inputs(cfg), tok, EngineRouter([EngineClient(url)]), rewards,
+                            pool_routers={"judge": Recording([EngineClient(url)]),
+                                          "meta": EngineRouter([EngineClient(url)])})
     try:
         stream = PromptStream(load_prompts("synthetic", tok, cfg.data), seed=0)
         records = {r.index: r for r in stream.records}
@@ -436,7 +439,8 @@ def test_held_out_evaluation_of_a_judged_run_uses_the_eval_checker(tiny_qwen2_en
     from megarl.data import ChatTokenizer, load_prompts
     from megarl.rewards import RewardPool, resolve_reward
     from megarl.rollout import EngineClient, EngineRouter
-    from megarl.trainer.rollout import Rollout
+    from megarl.trainer.config import rollout_inputs
+    from megarl.trainer.workers import build_rollout
 
     path, url = tiny_model_dir("qwen2"), tiny_qwen2_engine.url
     cfg = _cfg(f"run_dir={tmp_path}", "rollout.max_new_tokens=6", "data.synthetic.num_eval=6",
@@ -447,8 +451,8 @@ def test_held_out_evaluation_of_a_judged_run_uses_the_eval_checker(tiny_qwen2_en
     for r in records[::2]:  # half the answers replaced by what the policy answers: the checker then passes some
         r.answer = None
     rewards, checker = RewardPool(cfg.reward.name, 1), RewardPool("exact_match", 1)
-    rollout = Rollout(cfg, tok, EngineRouter([EngineClient(url)]), rewards,
-                      pools={"judge": EngineRouter([EngineClient(url)])}, eval_rewards=checker)
+    rollout = build_rollout(rollout_inputs(cfg), tok, EngineRouter([EngineClient(url)]), rewards,
+                            pool_routers={"judge": EngineRouter([EngineClient(url)])}, eval_rewards=checker)
     try:
         first = rollout.generate(records[::2], 1, (0, "probe"), 0.0, 6)  # greedy: the eval's T=0 answers
         for r, s in zip(records[::2], first):
@@ -484,7 +488,9 @@ def test_verifier_training_rollout_weighted_by_a_real_meta_verifier(tiny_qwen2_e
     from megarl.data import ChatTokenizer, load_prompts
     from megarl.rewards import RewardPool, resolve_reward
     from megarl.rollout import EngineClient, EngineRouter
-    from megarl.trainer.rollout import PromptStream, Rollout, rollout_metrics
+    from megarl.trainer.config import rollout_inputs
+    from megarl.trainer.rollout import PromptStream, rollout_metrics
+    from megarl.trainer.workers import build_rollout
 
     data = tmp_path / "verify.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Is {a}+{b}={c} right?", "answer": str(int(a + b == c))}) + "\n"
@@ -499,8 +505,8 @@ def test_verifier_training_rollout_weighted_by_a_real_meta_verifier(tiny_qwen2_e
                "reward.judge.meta_verifier.parser=test_judge:quality_by_length")
     tok = ChatTokenizer.from_pretrained(path)
     rewards = RewardPool(cfg.reward.name, cfg.reward.workers)
-    rollout = Rollout(cfg, tok, EngineRouter([EngineClient(url)]), rewards,
-                      pools={"meta": EngineRouter([EngineClient(url)])})
+    rollout = build_rollout(rollout_inputs(cfg), tok, EngineRouter([EngineClient(url)]), rewards,
+                            pool_routers={"meta": EngineRouter([EngineClient(url)])})
     try:
         stream = PromptStream(load_prompts(str(data), tok, cfg.data), seed=0)
         records = {r.index: r for r in stream.records}
