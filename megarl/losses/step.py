@@ -37,7 +37,8 @@ def run_schedule(model, micro_batches: list[TokenBatch], loss_func_for, forward_
     thd = _thd()
     # TransformerEngine's attention takes no per-sample mask, only THD boundaries: rows that hold several samples
     # (segment_ids, SFT's sft.pack) always run packed there.
-    pack = pack or (thd and any(b.segment_ids is not None for b in micro_batches))
+    if thd and any(b.segment_ids is not None for b in micro_batches):
+        pack = True  # (not `pack or ...`: pack None must reach schedule_layouts as None)
     layouts = schedule_layouts(model, micro_batches, pack, pg=pg)  # pack None: packed unless context parallelism is on
     if layouts and layouts[0] is not None:
         seq_length = max(layout.length for layout in layouts)
