@@ -337,3 +337,17 @@ def token_batch(samples: list[Sample], rows: int, seq_len: int, pad_id: int,
                 routing_shape: tuple[int, int] | None = None) -> TokenBatch:
     """The TokenBatch of `samples` in `rows` rows (see PackedRollout.token_batch)."""
     return PackedRollout.from_samples(samples).token_batch(rows, seq_len, pad_id, routing_shape)
+
+
+def dump_train_rows(rb: RankBatch, folder: str, step: int, dp_rank: int, first: bool) -> None:
+    """<folder>/step_N.dpR.train.jsonl: the token rows DP rank R trains on (written by its first TP/PP rank: `first`),
+    each with its step-wide sample index, input ids and trained target ids."""
+    if not first:
+        return
+    import json
+    import os
+
+    with open(os.path.join(folder, f"step_{step:06d}.dp{dp_rank}.train.jsonl"), "w") as f:
+        for row, (index, n) in enumerate(zip(rb.sample_index, rb.samples.seq_lens.tolist())):
+            f.write(json.dumps({"sample": index, "input_ids": rb.batch.input_ids[row, :n].tolist(),
+                                "trained": rb.batch.targets[row][rb.batch.loss_mask[row] > 0].tolist()}) + "\n")

@@ -21,7 +21,8 @@ from .. import parallel
 from ..data import PROCEDURAL, ChatTokenizer, PromptRecord, load_prompts, load_responses
 from ..errors import about, on_rank0
 from ..evaluation import plot_pass_at_k
-from ..losses import compute_log_probs
+from ..losses import TokenBatch, compute_log_probs
+from ..losses.rl import place_response_values, shift_sequences
 from ..reshard import engine_syncs
 from ..rollout import EngineRouter
 from ..rollout.fleet import EngineFleet
@@ -29,7 +30,7 @@ from .async_rollout import version_name
 from .batching import Sample, rank_batch
 from .checkpoint import latest_checkpoint
 from .config import DataConfig, fleet_spec, rollout_inputs
-from .metrics import over_last_stage
+from .metrics import forgetting_kl as kl_to_initial, over_last_stage
 from .rollout import Rollout
 from .workers import build_rollout, reward_pools
 from .setup import build_policy, init_parallel, moe_config_overrides, prepare_model_folder, prompt_tools, resolve_load
@@ -140,3 +141,27 @@ def run_eval(cfg, samples: int | None = None, responses: str | None = None, out:
             if closeable is not None:
                 closeable.close()
         fleet.stop()
+
+
+def forgetting_kl(policy_model, reference, sequences: list, pad_id: int, algo, vocab_size: int, pg) -> dict:
+    """eval/kl_to_initial (k3) and eval/kl_to_initial_k1: KL(policy || initial model) on this DP rank's share of
+    sampled (prompt ids, response ids, loss mask or None) responses, tool outputs excluded. A collective: a rank
+    without a sequence runs one row that counts nothing."""
+    sequences = sequences or [([pad_id], [pad_id], [0])]
+    ids, targets, mask = shift_sequences([p for p, _, _ in sequences], [r for _, r, _ in sequences], pad_id)
+    mask = mask * place_response_values([[1] * len(r) if m is None else list(m) for _, r, m in sequences],
+                                        [len(p) for p, _, _ in sequences], mask.shape[1])  # tool outputs: not sampled
+    batch = TokenBatch(input_ids=ids, targets=targets, loss_mask=mask)
+    args = dict(vocab_size=vocab_size, temperature=algo.temperature, fused=algo.fused_logprobs,
+                pack=algo.pack_sequences, pg=pg)
+    return kl_to_initial(compute_log_probs(policy_model, batch, 1, **args),
+                         compute_log_probs(reference, batch, 1, **args), mask, pg)
+
+
+def save_pass_at_k(curves: dict, run_dir: str) -> None:
+    """<run_dir>/pass_at_k.png and .json: the held-out pass@k curves before and after training ({tag: {k: value}})."""
+    curves = {tag: {int(k): v for k, v in c.items()} for tag, c in curves.items() if tag in ("before", "after")}
+    if curves:
+        with open(os.path.join(run_dir, "pass_at_k.json"), "w") as f:
+            json.dump(curves, f, indent=1)
+        plot_pass_at_k(curves, os.path.join(run_dir, "pass_at_k.png"), title="held-out pass@k (%)")

@@ -21,22 +21,20 @@ from ..algorithms.advantages import estimator
 from ..config import ConfigError, to_dict
 from ..errors import on_rank0
 from ..data import ChatTokenizer
-from ..losses import TokenBatch, compute_log_probs
-from ..losses.rl import place_response_values, shift_sequences
 from ..models.moe import RoutingStats
 from ..reshard import engine_syncs
 from ..rollout.fleet import EngineFleet
 from ..rollout.teacher import check_same_tokenizer
 from . import metrics, step as phases
 from .async_rollout import version_name
-from .batching import RankBatch
+from .batching import RankBatch, dump_train_rows
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import fleet_spec, rollout_inputs
-from .evaluate import held_out_metrics, held_out_prompts
+from .evaluate import forgetting_kl, held_out_metrics, held_out_prompts, save_pass_at_k
 from .logging import MetricsLog, PhaseTimer
 from .preemption import StopRequest
 from .workers import RolloutWorkers
-from .setup import (build_critic, build_policy, build_reference, init_parallel, moe_config_overrides,
+from .setup import (build_critic, build_policy, build_reference, init_parallel, moe_config_overrides, offloaded,
                     prepare_model_folder, prompt_tools, resolve_load)
 
 
@@ -81,13 +79,14 @@ class RLTrainer:
         self.policy = build_policy(folder, cfg.optim, updates, load=resolve_load(cfg),
                                    config_overrides=moe_config_overrides(cfg, folder), pg=self.pg)
         self.bridge = self.policy.bridge
-        hf = folder.config  # the engine's routing per position: [layers, top-k] (MoE, rollout.return_routed_experts)
-        self.routing_shape = (hf.num_hidden_layers, hf.num_experts_per_tok) if folder.is_moe else None
+        hf = folder.config  # the engine's routing per position: [layers, top-k] (MoE with rollout.engine_routing)
+        self.routing_shape = (hf.num_hidden_layers, hf.num_experts_per_tok) \
+            if folder.is_moe and cfg.rollout.engine_routing else None
         use_ref = cfg.rl.ref_model if cfg.rl.ref_model is not None else cfg.algorithm.kl_coef > 0 or \
             cfg.rl.forgetting_kl  # the reference is the initial model: the forgetting KL's anchor
         self.ref = build_reference(self.bridge, self.policy.chunks) if use_ref else None
-        self._offload_ref = self.ref is not None and cfg.rl.offload_ref and platform.on_gpu()
-        self._place_ref("cpu")
+        # GPU with rl.offload_ref: the reference lives in host memory except while it computes log-probs
+        self.ref_on_device = offloaded(self.ref, self.ref is not None and cfg.rl.offload_ref and platform.on_gpu())
         self.critic = build_critic(self.bridge, self.policy.chunks, cfg.optim, cfg.rl.critic_lr, updates) \
             if cfg.algorithm.use_critic else None
         self.ckpt_root = os.path.join(cfg.run_dir, "checkpoints")
@@ -109,7 +108,7 @@ class RLTrainer:
         # seconds, before anything waits for an engine); then rank 0 reads the held-out data and waits for its
         # engines. A failure on one rank reaches every rank.
         self.side = RolloutWorkers(rollout_inputs(cfg), self.tok, self.groups, self.rank, self.started,
-                                   self._routing_shape())
+                                   self.routing_shape)
         self.eval_records = on_rank0(lambda: held_out_prompts(cfg.data, self.tok, prompt_tools(cfg.env)))
         self.clients = self.fleet.connect().clients
         self.side.connect(self.fleet)
@@ -137,13 +136,18 @@ class RLTrainer:
         self.fleet.release_memory()  # colocated GPUs: the engine's memory goes to training (no-op on CPU)
         with timer("dispatch"):  # 2. this DP rank's rows, and only those, as tensors
             rb, received = phases.dispatch_rank_batch(rollout, step, self.groups, self.side.ranks,
-                                                      self.tok.pad_id, self._routing_shape())
+                                                      self.tok.pad_id, self.routing_shape)
         batch, engine_routing = rb.batch, rb.batch.routed_experts  # MoE: the engine's experts, replayed only with R3
         batch.routed_experts = engine_routing if cfg.rollout.routing_replay else None
-        if cfg.rl.dump_rollouts:
-            self._dump(step, rb)
+        if cfg.rl.dump_rollouts:  # the engine's samples (each worker) and the rows each DP rank trains on
+            folder = os.path.join(cfg.run_dir, "rollouts")
+            os.makedirs(folder, exist_ok=True)
+            self.side.dump(step, folder)
+            dump_train_rows(rb, folder, step, self.dp_rank, first=self.pg.tp.rank() == 0 and self.pg.pp.rank() == 0)
         with timer("ref"):  # 3. reference and old-policy log-probs of the engine's tokens
-            batch.ref_log_probs = self._ref_log_probs(rb) if self.ref is not None else None
+            if self.ref is not None:
+                with self.ref_on_device():
+                    batch.ref_log_probs = phases.log_probs(self.ref, rb, algo, self.bridge.vocab_size, pg)
         with timer("old_log_prob"):
             signals, old_entropy = self._old_log_probs(rb, engine_routing, step)
         if self.critic is not None:
@@ -191,38 +195,6 @@ class RLTrainer:
                     "dispatch/bytes_received": received})
         return out
 
-    def _routing_shape(self) -> tuple[int, int] | None:
-        return self.routing_shape if self.cfg.rollout.engine_routing else None
-
-    def _dump(self, step: int, rb: RankBatch) -> None:
-        """Each rollout worker: the engine's samples it generated (read them back with dumped_samples); the first
-        TP/PP rank of each DP rank: the token rows it trains on."""
-        folder = os.path.join(self.cfg.run_dir, "rollouts")
-        os.makedirs(folder, exist_ok=True)
-        self.side.dump(step, folder)
-        if self.pg.tp.rank() == 0 and self.pg.pp.rank() == 0:
-            with open(os.path.join(folder, f"step_{step:06d}.dp{self.dp_rank}.train.jsonl"), "w") as f:
-                for row, (index, n) in enumerate(zip(rb.sample_index, rb.samples.seq_lens.tolist())):
-                    f.write(json.dumps({"sample": index, "input_ids": rb.batch.input_ids[row, :n].tolist(),
-                                        "trained": rb.batch.targets[row][rb.batch.loss_mask[row] > 0].tolist()})
-                            + "\n")
-
-    def _place_ref(self, device: str) -> None:
-        """GPU with rl.offload_ref: the reference lives in host memory except while it computes log-probs."""
-        if not self._offload_ref:
-            return
-        for chunk in self.ref:
-            chunk.to(device if device == "cpu" else torch.cuda.current_device())
-        if device == "cpu":
-            torch.cuda.empty_cache()
-
-    def _ref_log_probs(self, rb: RankBatch) -> torch.Tensor:
-        self._place_ref("cuda")
-        try:
-            return phases.log_probs(self.ref, rb, self.cfg.algorithm, self.bridge.vocab_size, self.pg)
-        finally:
-            self._place_ref("cpu")
-
     # ------------------------------------------------------------------------------------------ engine side
     def sync_weights(self, version: int, verify: bool | None = None) -> dict:
         """Push the weights after step `version` into the policy engines. With asynchronous rollouts in flight:
@@ -267,30 +239,15 @@ class RLTrainer:
         return result
 
     def _forgetting_kl(self, tag) -> dict:
-        """eval/kl_to_initial (k3) and eval/kl_to_initial_k1: KL(policy || initial model) on one response per held-out
-        prompt sampled by the engine (current weights), split over the DP ranks. A collective."""
+        """eval/kl_to_initial(_k1): KL(policy || initial model) on one engine sample per held-out prompt (rank 0
+        samples, the DP ranks split them). A collective."""
         cfg = self.cfg
-
-        def sample():
-            samples = self.side.rollout.generate(self.eval_records, 1, (cfg.seed, "forgetting", tag),
-                                            cfg.rollout.temperature, cfg.rollout.max_new_tokens)
-            return [(list(s.prompt_ids), list(s.response_ids), s.loss_mask) for s in samples]
-
-        mine = (on_rank0(lambda: sample() if self.eval_records else []) or [])[self.dp_rank::self.dp_size]
-        mine = mine or [([self.tok.pad_id], [self.tok.pad_id], [0])]  # no prompt here: one row that counts nothing
-        ids, targets, mask = shift_sequences([p for p, _, _ in mine], [r for _, r, _ in mine], self.tok.pad_id)
-        mask = mask * place_response_values([[1] * len(r) if m is None else list(m) for _, r, m in mine],
-                                            [len(p) for p, _, _ in mine], mask.shape[1])  # tool outputs: not sampled
-        batch = TokenBatch(input_ids=ids, targets=targets, loss_mask=mask)
-        args = dict(vocab_size=self.bridge.vocab_size, temperature=cfg.algorithm.temperature,
-                    fused=cfg.algorithm.fused_logprobs, pack=cfg.algorithm.pack_sequences, pg=self.pg)
-        policy = compute_log_probs(self.policy.model, batch, 1, **args)
-        self._place_ref("cuda")
-        try:
-            initial = compute_log_probs(self.ref, batch, 1, **args)
-        finally:
-            self._place_ref("cpu")
-        return metrics.forgetting_kl(policy, initial, mask, self.pg)
+        sampled = on_rank0(lambda: [(list(s.prompt_ids), list(s.response_ids), s.loss_mask) for s in (
+            self.side.rollout.generate(self.eval_records, 1, (cfg.seed, "forgetting", tag), cfg.rollout.temperature,
+                                       cfg.rollout.max_new_tokens) if self.eval_records else [])]) or []
+        with self.ref_on_device():
+            return forgetting_kl(self.policy.model, self.ref, sampled[self.dp_rank::self.dp_size], self.tok.pad_id,
+                                 cfg.algorithm, self.bridge.vocab_size, self.pg)
 
     # --------------------------------------------------------------------------------------------- the run
     def train(self) -> dict:
@@ -319,22 +276,11 @@ class RLTrainer:
         after = self.evaluate("after")
         if self.log is not None and after:
             self.log.log(self.step, after)
-            self._plot_pass_at_k()
+            save_pass_at_k(self.state.get("eval_curves", {}), cfg.run_dir)
         self.save()
         if cfg.checkpoint.export_hf:
             self.bridge.save_hf(self.policy.chunks, os.path.join(cfg.run_dir, "hf"))
         return self._summary(after)
-
-    def _plot_pass_at_k(self) -> None:
-        """<run_dir>/pass_at_k.png and .json: the held-out pass@k curves before and after training."""
-        from ..evaluation import plot_pass_at_k
-
-        curves = {tag: {int(k): v for k, v in c.items()} for tag, c in self.state.get("eval_curves", {}).items()
-                  if tag in ("before", "after")}
-        if curves:
-            with open(os.path.join(self.cfg.run_dir, "pass_at_k.json"), "w") as f:
-                json.dump(curves, f, indent=1)
-            plot_pass_at_k(curves, os.path.join(self.cfg.run_dir, "pass_at_k.png"), title="held-out pass@k (%)")
 
     def save(self) -> None:
         """A checkpoint of the step just trained. Asynchronous RL: the rollout in progress is finished first, and each

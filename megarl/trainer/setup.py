@@ -186,3 +186,33 @@ def prompt_tools(env: EnvConfig) -> list[dict] | None:
     from ..envs import resolve_tools
 
     return [t.schema() for t in resolve_tools(list(env.tools))]
+
+
+def offloaded(chunks: list | None, enabled: bool):
+    """GPU memory for a frozen model used now and then (the reference with rl.offload_ref): with `enabled` its chunks
+    move to host memory now, and the returned context puts them on the GPU while it is open. Otherwise the context
+    does nothing."""
+    import contextlib
+
+    import torch
+
+    def place(device) -> None:
+        for chunk in chunks:
+            chunk.to(device)
+        if device == "cpu":
+            torch.cuda.empty_cache()
+
+    if enabled:
+        place("cpu")
+
+    @contextlib.contextmanager
+    def on_device():
+        if enabled:
+            place(torch.cuda.current_device())
+        try:
+            yield
+        finally:
+            if enabled:
+                place("cpu")
+
+    return on_device
