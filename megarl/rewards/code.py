@@ -49,6 +49,7 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import threading
 import traceback
 
 from .functions import register_reward
@@ -181,7 +182,8 @@ class _Tests:
     def __init__(self, session: Session, sources: dict[str, str], trees: dict[str, ast.AST]):
         self.session, self.sources = session, sources
         # optimize=0: the asserts stay even when the trainer runs with python -O (which would make every test pass)
-        self.code = {name: compile(tree, name, "exec", optimize=0) for name, tree in trees.items()}
+        with _AST_LOCK:
+            self.code = {name: compile(tree, name, "exec", optimize=0) for name, tree in trees.items()}
         self.namespace = {"__name__": "__main__"}
         for name in _free_names(list(trees.values())):
             self.namespace[name] = importlib.import_module(name) if name in _MODULES else _Function(session, name)
@@ -204,9 +206,16 @@ class _Tests:
         return where + what + (f" (last call: {last})" if last else "")
 
 
+# CPython 3.11's AST <-> Python object conversion keeps its recursion depth in the ast module's state, shared by all
+# threads (CPython gh-106905): ast.parse / compile(tree) in two reward threads at once can fail with "SystemError: AST
+# constructor recursion depth mismatch" (seen in tests/rewards/test_code_reward.py's 164 HumanEval problems).
+_AST_LOCK = threading.Lock()
+
+
 def _parse(source: str, name: str, fmt: str) -> ast.AST:
     try:
-        return ast.parse(source, name)
+        with _AST_LOCK:
+            return ast.parse(source, name)
     except SyntaxError as e:
         raise ValueError(f"reward code: format {fmt!r}: {name[1:-1]} does not parse (line {e.lineno}: {e.msg})") \
             from None

@@ -131,8 +131,8 @@ def _pump(streams: dict[int, _Tail], deadline: float, cpu_over: Callable[[], boo
         while True:
             if until is not None and until() and not (send and send[1]):  # and all of `send` is written
                 return "until"
-            if all(tail.eof for tail in streams.values()):
-                return "eof"
+            if all(tail.eof for tail in streams.values()):  # the run is over: `send` can never be written, but what
+                return "until" if until is not None and until() else "eof"  # it wrote before its end still counts
             left = deadline - time.monotonic()
             if left <= 0:
                 return "wall"
