@@ -176,12 +176,39 @@ def trainer_log_probs(bridge, chunks, sequences):
     return next(x for x in everyone if x is not None)
 
 
+class CountingTransport:
+    """A user's transport, written against megarl.reshard.transports.WeightTransport only (reshard.transport=
+    "ranks:CountingTransport"): it hands each bucket to the engine through the built-in tensor transport's push and
+    counts what it pushed."""
+    shared_memory = True
+
+    def __init__(self, client, options):
+        from megarl.reshard import TensorTransport
+
+        self.inner, self.pushed = TensorTransport(client, options), []
+
+    def setup(self, owners):
+        self.inner.setup(owners)
+
+    def send(self, source, version):
+        from megarl.reshard import send_buckets
+
+        return send_buckets(self, source, version)
+
+    def push(self, bucket, version):
+        self.inner.push(bucket, version)
+        self.pushed.append(bucket.nbytes)
+
+    def close(self):
+        self.inner.close()
+
+
 def sync_and_compare(path, url, layout, transport, seed, corrupt=None, engine_tp=1):
     """Perturb the trainer, sync into the engine, and return the engine's and trainer's log-probs of the engine's own
     sampled tokens, plus the engine's probe log-probs before and after the sync."""
     import torch.distributed as dist
 
-    from megarl.reshard import TRANSPORTS, SyncConfig, TransportOptions, WeightSync
+    from megarl.reshard import SyncConfig, TransportOptions, WeightSync, resolve_transport
     from megarl.rollout import EngineClient
 
     ps, bridge, chunks = build(path, **layout)
@@ -189,7 +216,7 @@ def sync_and_compare(path, url, layout, transport, seed, corrupt=None, engine_tp
     client = EngineClient(url)
     fixed = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27]]
     before = client.prompt_log_probs(fixed) if dist.get_rank() == 0 else None
-    transport = TRANSPORTS[transport](client, TransportOptions(engine_tp=engine_tp, folder=f"{path}-disk-sync"))
+    transport = resolve_transport(transport)(client, TransportOptions(engine_tp=engine_tp, folder=f"{path}-disk-sync"))
     if corrupt is not None:
         transport = corrupt(transport)
     sync = WeightSync(bridge, chunks, transport, client if dist.get_rank() == 0 else None,
@@ -198,7 +225,7 @@ def sync_and_compare(path, url, layout, transport, seed, corrupt=None, engine_tp
         stats = sync.sync()
     finally:
         sync.close()
-    result = {"stats": stats}
+    result = {"stats": stats, "user_transport_pushed": getattr(transport, "pushed", None)}
     if dist.get_rank() == 0:
         result["before"] = before
         result["after"] = client.prompt_log_probs(fixed)

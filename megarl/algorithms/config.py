@@ -19,7 +19,7 @@ class AlgorithmConfigError(UserError, ValueError):
 @dataclass
 class MismatchConfig:
     # none | tis | seq_tis | mis | icepop; unset: tis with rl.max_staleness >= 1 (the decoupled PPO objective),
-    # none otherwise (megarl.trainer.config resolves it)
+    # none otherwise (resolved for an RL run by megarl.trainer.config.rl_algorithm)
     mode: Optional[str] = None
     cap: float = 2.0  # tis / seq_tis truncation
     low: float = 0.5  # mis / icepop: keep ratios within [low, high]

@@ -1,6 +1,8 @@
-"""Name -> function tables for the algorithm pieces chosen by name in AlgorithmConfig."""
+"""Name -> function tables for the pieces chosen by name in config (algorithm parts, rewards, environments,
+transports), and the one way a config name is looked up: registered, or "package.module:attribute" imported."""
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 
@@ -12,3 +14,21 @@ def registrar(table: dict[str, Callable]):
             return fn
         return add
     return register
+
+
+def resolve(table: dict, name: str, field: str):
+    """table[name], or "package.module:attribute" imported by dotted path; ValueError naming `field` (the config key)
+    otherwise."""
+    if name in table:
+        return table[name]
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            found = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"{field}={name!r}: cannot import {attr!r} from {module!r} ({e})") from None
+        if not callable(found):
+            raise ValueError(f"{field}={name!r} is not callable")
+        return found
+    raise ValueError(f"{field}={name!r} is unknown; choose one of {sorted(table)} or give "
+                     "'package.module:attribute'")

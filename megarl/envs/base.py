@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Union
 
-from ..algorithms.registry import registrar
+from ..algorithms.registry import registrar, resolve
 
 # What an environment answers with: chat messages (rendered by the model's chat template, e.g. role "tool"), a string
 # (one tool message with that content), or token ids appended as they are.
@@ -28,6 +28,10 @@ class EnvStep:
 
 
 class Env(Protocol):
+    """One episode at a time. Built per sample by the rollout as cls(tools=env.tools, tool_call_format=
+    env.tool_call_format, **env.kwargs) (take **_ for what you do not use); registered with @register_env(name) or
+    named by env.name: "package.module:Class"."""
+
     def reset(self, record) -> None: ...
 
     def step(self, turn_text: str) -> EnvStep: ...
@@ -38,6 +42,5 @@ register_env = registrar(ENVS)
 
 
 def make_env(name: str, **kwargs) -> Env:
-    if name not in ENVS:
-        raise ValueError(f"env.name={name!r} is unknown; choose one of {sorted(ENVS)}")
-    return ENVS[name](**kwargs)
+    """The environment env.name names (registered, or "package.module:Class"), built with `kwargs`."""
+    return resolve(ENVS, name, "env.name")(**kwargs)

@@ -120,10 +120,19 @@ def check_load(cfg, produced_by_sft: bool) -> str:
 
 
 def check_reward(cfg) -> str:
-    from ..rewards.functions import resolve_reward
+    """reward.name loads and takes (response, answer, **reward.kwargs); a user's reshard.transport
+    ("package.module:Class") imports."""
+    from ..rewards.functions import check_reward_call, resolve_reward
 
+    if ":" in cfg.reshard.transport:
+        from ..reshard.transports import resolve_transport
+
+        try:
+            resolve_transport(cfg.reshard.transport)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     try:
-        resolve_reward(cfg.reward.name)
+        check_reward_call(resolve_reward(cfg.reward.name), cfg.reward.kwargs)
     except (ValueError, ImportError, AttributeError) as e:
         raise ConfigError(str(e) if str(e).startswith("reward.name") else
                           f"reward.name={cfg.reward.name!r} cannot be loaded ({e}). Fix: a registered name or "

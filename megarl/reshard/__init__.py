@@ -2,16 +2,15 @@
 rollout engine (tensor / distributed / disk transports), verified by checksums and probe log-probs."""
 from .buckets import DEFAULT_BUCKET_BYTES, BucketPacker, FlatBucket
 from .sync import SyncConfig, WeightSync
-from .transports import (DiskTransport, DistributedTransport, TensorTransport, TransportOptions, WeightSource,
+from .transports import (TRANSPORTS, BucketPusher, DiskTransport, DistributedTransport, TensorTransport,
+                         TransportOptions, WeightSource, WeightTransport, register_transport, resolve_transport,
                          send_buckets)
 from .verify import WeightMismatchError, tensor_checksum, verify_checksums, verify_probes
 
-TRANSPORTS = {"tensor": TensorTransport, "distributed": DistributedTransport, "disk": DiskTransport}
-
-__all__ = ["DEFAULT_BUCKET_BYTES", "TRANSPORTS", "BucketPacker", "DiskTransport", "DistributedTransport", "SyncConfig",
-           "engine_syncs",
-           "FlatBucket", "TensorTransport", "TransportOptions", "WeightMismatchError", "WeightSource", "WeightSync", "tensor_checksum",
-           "send_buckets", "verify_checksums", "verify_probes"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "TRANSPORTS", "BucketPacker", "BucketPusher", "DiskTransport",
+           "DistributedTransport", "FlatBucket", "SyncConfig", "TensorTransport", "TransportOptions",
+           "WeightMismatchError", "WeightSource", "WeightSync", "WeightTransport", "engine_syncs", "register_transport",
+           "resolve_transport", "send_buckets", "tensor_checksum", "verify_checksums", "verify_probes"]
 
 
 def engine_syncs(clients: list, bridge, chunks: list, reshard, engine, run_dir: str, rank: int,
@@ -26,7 +25,7 @@ def engine_syncs(clients: list, bridge, chunks: list, reshard, engine, run_dir: 
 
     syncs = []
     for i, client in enumerate(clients):
-        transport = TRANSPORTS[reshard.transport](client, TransportOptions(
+        transport = resolve_transport(reshard.transport)(client, TransportOptions(
             engine_tp=engine.tp_size, folder=os.path.join(run_dir, "engine", f"weights-{i}"),
             master_address=reshard.master_address or ("127.0.0.1" if local else socket.gethostname())))
         syncs.append(WeightSync(bridge, chunks, transport, client if rank == 0 else None,

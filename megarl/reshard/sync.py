@@ -22,7 +22,7 @@ from ..compat import sglang as sglang_compat
 from ..rollout.client import EngineClient
 from ..rollout.server import EngineError
 from .buckets import DEFAULT_BUCKET_BYTES, BucketPacker
-from .transports import WeightSource
+from .transports import WeightSource, WeightTransport
 from .verify import engine_dtypes, probe_sequences, verify_checksums, verify_probes
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,8 @@ class SyncConfig:
 
 
 class WeightSync:
-    def __init__(self, bridge, chunks: list, transport, client: EngineClient | None, cfg: SyncConfig | None = None):
+    def __init__(self, bridge, chunks: list, transport: WeightTransport, client: EngineClient | None,
+                 cfg: SyncConfig | None = None):
         self.bridge, self.chunks, self.transport, self.client = bridge, chunks, transport, client
         self.cfg = cfg or SyncConfig()
         self.dtype = self.cfg.engine_dtype or (torch.bfloat16 if platform.on_gpu() else torch.float32)
@@ -47,7 +48,7 @@ class WeightSync:
         transport.setup(self.owners)
         self.probes = probe_sequences(bridge.vocab_size)
         self.source = WeightSource(bridge, chunks, self.owners, BucketPacker(
-            self.cfg.bucket_bytes, shared_memory=getattr(transport, "shared_memory", False)),
+            self.cfg.bucket_bytes, shared_memory=transport.shared_memory),
             engine_dtypes(bridge.hf.config, self.dtype))
         self.last_stats: dict = {}
 

@@ -5,8 +5,10 @@
     pushed_bytes, buckets = transport.send(source, version)   # every sync, a collective (between the engine's
     transport.close()                                         # begin_weight_update and end_weight_update)
 
-The bucketed transports send with `send_buckets`: owners push in turns (the owner's HF tensors are packed into
-bounded buckets, each handed to `push`), so a rank holds at most one bucket plus the tensor being converted.
+Every transport is a `WeightTransport` (the protocol below); TRANSPORTS maps reshard.transport to the class
+(`register_transport` adds your own, constructed as cls(client, TransportOptions)). The bucketed transports send with
+`send_buckets`: owners push in turns (the owner's HF tensors are packed into bounded buckets, each handed to the
+transport's `push`, a `BucketPusher`), so a rank holds at most one bucket plus the tensor being converted.
 
 - TensorTransport (colocated): SGLang's flattened-bucket format, serialised with SGLang's MultiprocessingSerializer and
   posted to /update_weights_from_tensor; the engine maps the shared memory (no copy through HTTP).
@@ -21,12 +23,13 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
 from .. import platform
+from ..algorithms.registry import registrar, resolve
 from ..parallel.env import free_port
 from ..rollout.client import EngineClient
 from ..rollout.server import EngineError
@@ -59,7 +62,46 @@ class WeightSource:
     dtype: Callable[[str], torch.dtype]
 
 
-def send_buckets(transport, source: WeightSource, version: str) -> tuple[int, int]:
+class WeightTransport(Protocol):
+    """How weights reach one engine. Every method is called on every trainer rank (collectives are allowed);
+    `client` (the engine's EngineClient) may be called from any rank."""
+    name: str
+    shared_memory: bool  # the buckets handed to this transport may live in shared memory (the engine maps them)
+
+    def setup(self, owners: list[int]) -> None:
+        """Once, before the first send: `owners` are the trainer ranks that hold HF tensors (they push in turns)."""
+
+    def send(self, source: WeightSource, version: str) -> tuple[int, int]:
+        """Every sync, inside the engine's weight-update window: deliver the trainer's weights tagged `version`;
+        returns (bytes, buckets) this rank pushed. Bucketed transports: `return send_buckets(self, source,
+        version)`."""
+
+    def close(self) -> None:
+        """Release what setup made (process groups, files)."""
+
+
+class BucketPusher(Protocol):
+    def push(self, bucket: FlatBucket, version: str) -> None:
+        """On an owner rank: deliver one bucket (bucket.flat, with bucket.names / bucket.metadata) to the engine."""
+
+
+TRANSPORTS: dict[str, type] = {}
+
+
+def register_transport(name: str):
+    """Class decorator: reshard.transport=<name> builds cls(client, TransportOptions) for each policy engine."""
+    def add(cls):
+        cls.name = name
+        return registrar(TRANSPORTS)(name)(cls)
+    return add
+
+
+def resolve_transport(name: str) -> type:
+    """reshard.transport: a registered transport, or "package.module:Class" imported by dotted path."""
+    return resolve(TRANSPORTS, name, "reshard.transport")
+
+
+def send_buckets(transport: BucketPusher, source: WeightSource, version: str) -> tuple[int, int]:
     """Owners in turns: each packs its HF tensors into buckets and `transport.push`es them; the others wait at a
     barrier. Returns (bytes, buckets) this rank pushed."""
     pushed_bytes, buckets = 0, 0
@@ -73,9 +115,8 @@ def send_buckets(transport, source: WeightSource, version: str) -> tuple[int, in
     return pushed_bytes, buckets
 
 
+@register_transport("tensor")
 class TensorTransport:
-    name = "tensor"
-
     def __init__(self, client: EngineClient, options: TransportOptions | None = None):
         self.client, self.engine_tp = client, (options or TransportOptions()).engine_tp
 
@@ -106,9 +147,8 @@ class TensorTransport:
         pass
 
 
+@register_transport("distributed")
 class DistributedTransport:
-    name = "distributed"
-
     def __init__(self, client: EngineClient, options: TransportOptions | None = None):
         options = options or TransportOptions()
         self.client, self.engine_tp, self.master_address = client, options.engine_tp, options.master_address
@@ -175,9 +215,9 @@ class DistributedTransport:
                 self.group = None
 
 
+@register_transport("disk")
 class DiskTransport:
     """Whole-model fallback: not bucketed; ModelBridge.save_hf writes one shard per owner rank."""
-    name = "disk"
 
     shared_memory = False
 

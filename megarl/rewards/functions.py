@@ -1,13 +1,24 @@
-"""Built-in reward functions and the name -> function registry."""
+"""The reward interface, the built-in reward functions and the name -> function registry."""
 from __future__ import annotations
 
-import importlib
+import inspect
 import re
-from typing import Callable
+from typing import Protocol
 
-from ..algorithms.registry import registrar
+from ..algorithms.registry import registrar, resolve
 
-REWARDS: dict[str, Callable] = {}
+
+class RewardFn(Protocol):
+    """A reward: the response's text and its prompt's reference answer (None when the data has none), plus
+    reward.kwargs as keyword arguments -> a float (1.0 counts as solved in pass@1, above 0.5 in held-out pass@1). It
+    runs in a reward worker process (it must be importable there: registered, or "package.module:function"), one
+    response at a time, within reward.timeout_s; raising scores that response 0. A reward that executes the
+    response's code sets `fn.requires_sandbox = True`: the pool then proves isolation works at start-up."""
+
+    def __call__(self, response: str, answer: str | None, **kwargs) -> float: ...
+
+
+REWARDS: dict[str, RewardFn] = {}
 register_reward = registrar(REWARDS)
 
 _NUMBER = re.compile(r"^[-+]?\d+(\.\d+)?$")
@@ -62,19 +73,24 @@ def math_reward(response: str, answer: str | None, **_) -> float:
     return float(verify(gold, pred))
 
 
-def resolve_reward(name: str, field: str = "reward.name") -> Callable:
+def resolve_reward(name: str, field: str = "reward.name") -> RewardFn:
     """A registered reward, or "package.module:function" imported by dotted path (`field`: the config key named in
     the error)."""
-    if name in REWARDS:
-        return REWARDS[name]
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"{field}={name!r}: cannot import {attr!r} from {module!r} ({e})") from None
-        if not callable(fn):
-            raise ValueError(f"{field}={name!r} is not callable")
-        return fn
-    raise ValueError(f"{field}={name!r} is unknown; choose one of {sorted(REWARDS)} or give "
-                     "'package.module:function'")
+    return resolve(REWARDS, name, field)
+
+
+def check_reward_call(fn: RewardFn, kwargs: dict, field: str = "reward.name") -> None:
+    """Raise ValueError when `fn(response, answer, **kwargs)` cannot be called (a signature that does not take the
+    response and the answer positionally, or reward.kwargs it does not accept): at start-up, rather than every
+    response scoring 0 with a TypeError."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    try:
+        signature.bind("response", None, **kwargs)
+    except TypeError as e:
+        raise ValueError(f"{field}: the reward function {getattr(fn, '__name__', fn)!r}{signature} cannot be called "
+                         f"as fn(response, answer, **reward.kwargs) with reward.kwargs={sorted(kwargs)} ({e}). Fix: "
+                         "def fn(response, answer, **kwargs) -> float, and only the keyword arguments it takes in "
+                         "reward.kwargs") from None

@@ -13,15 +13,14 @@ import logging
 import multiprocessing
 from concurrent.futures import Future, ProcessPoolExecutor, TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
-from typing import Callable
 
-from .functions import resolve_reward
+from .functions import RewardFn, check_reward_call, resolve_reward
 from ..sandbox import SandboxUnavailable, cgroups, check_sandbox
 
 logger = logging.getLogger(__name__)
 
 
-def _score_stream(fn: Callable, items: list[tuple[str, str | None]], kwargs: dict, conn) -> None:
+def _score_stream(fn: RewardFn, items: list[tuple[str, str | None]], kwargs: dict, conn) -> None:
     """In the forked child: score the responses in order, sending each result as soon as it is known."""
     for response, answer in items:
         try:
@@ -73,8 +72,10 @@ def _score(name: str, kwargs: dict, items: list[tuple[str, str | None]], timeout
 
 
 class RewardPool:
-    def __init__(self, name: str, workers: int = 2, timeout_s: float = 10.0, kwargs: dict | None = None):
-        fn = resolve_reward(name)  # fail at start-up, not inside a worker
+    def __init__(self, name: str, workers: int = 2, timeout_s: float = 10.0, kwargs: dict | None = None,
+                 field: str = "reward.name"):
+        fn = resolve_reward(name, field)  # fail at start-up, not inside a worker
+        check_reward_call(fn, dict(kwargs or {}), field)
         self.name, self.kwargs, self.timeout_s, self.workers = name, dict(kwargs or {}), timeout_s, workers
         self.pool = self._new_pool()
         self.errors: list[str] = []

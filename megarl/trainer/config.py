@@ -2,7 +2,7 @@
 (megarl.config.load_config). Every field has a default, so a preset only says what differs."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 from ..algorithms import AlgorithmConfig
@@ -294,7 +294,9 @@ class JudgeConfig(JudgeStage):
 @dataclass
 class EnvConfig:
     """Multi-turn rollouts (megarl.envs). name=None: one model turn per sample (single-turn RL)."""
-    name: Optional[str] = None  # tool: the model calls tools (env.tools) until it answers without a tool call
+    # tool: the model calls tools (env.tools) until it answers without a tool call; "package.module:Class": your own
+    # environment (megarl.envs.base.Env)
+    name: Optional[str] = None
     tools: list = field(default_factory=lambda: ["calculator"])
     tool_call_format: str = "qwen25"  # SGLang function-call parser matching the chat template's tool-call syntax
     tools_in_prompt: bool = True  # render the tools' JSON schemas into the prompt (the chat template's tools=)
@@ -307,7 +309,8 @@ class EnvConfig:
         if self.name is not None:
             from ..envs import ENVS, resolve_tools
 
-            _choice("env.name", self.name, sorted(ENVS))
+            if ":" not in self.name:  # "package.module:Class": a user's environment, imported by the rollout
+                _choice("env.name", self.name, sorted(ENVS))
             try:
                 resolve_tools(list(self.tools))
             except ValueError as e:
@@ -429,7 +432,9 @@ class DPOConfig:
 
 @dataclass
 class ReshardConfig:
-    transport: str = "tensor"  # tensor (colocated) | distributed (NCCL/gloo broadcast) | disk
+    # tensor (colocated) | distributed (NCCL/gloo broadcast) | disk | "package.module:Class" (a WeightTransport:
+    # megarl.reshard.transports)
+    transport: str = "tensor"
     bucket_mb: int = 512
     # Verification after a sync: the probe log-probs always, plus the per-tensor checksums below. Verified: the first
     # sync of a process (start or resume), then after every step divisible by `verify_every` (1: every sync; 0: the
@@ -446,7 +451,8 @@ class ReshardConfig:
     master_address: Optional[str] = None
 
     def __post_init__(self):
-        _choice("reshard.transport", self.transport, ("tensor", "distributed", "disk"))
+        if ":" not in self.transport:  # "package.module:Class": a user's transport, imported when the sync starts
+            _choice("reshard.transport", self.transport, ("tensor", "distributed", "disk"))
         _at_least("reshard", self, ("bucket_mb",))
 
 
@@ -491,16 +497,12 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         """The rules that relate several sections (each section checked its own fields when it was built: its
-        __post_init__), each naming the fields it relates; and the one default that depends on another section
-        (algorithm.mismatch.mode unset: tis with rl.max_staleness > 0, else none)."""
+        __post_init__), each naming the fields it relates. Nothing is changed: a default that depends on another
+        section is resolved by the entry point that uses it (`rl_algorithm`)."""
         if (self.model.path is None) == (self.model.tiny is None):
             raise ConfigError("set exactly one of model.path (an HF folder) and model.tiny (a tiny random model)")
         self.algorithm.validate()
         self._validate_placement()
-        if self.algorithm.mismatch.mode is None:
-            # stale tokens trained as if on-policy learn worse (benchmarks/async_rl.py: 4-21 points of pass@1 behind
-            # the synchronous run): asynchronous steps get PPO's decoupled objective unless a mode is chosen
-            self.algorithm.mismatch.mode = "tis" if self.rl.max_staleness else "none"
         if estimator(self.algorithm.advantage_estimator).needs_groups and self.rollout.n_samples < 2:
             raise ConfigError(f"algorithm.advantage_estimator={self.algorithm.advantage_estimator} compares the "
                               f"samples of one prompt, but rollout.n_samples={self.rollout.n_samples}. Fix: set "
@@ -509,7 +511,7 @@ class TrainConfig:
             raise ConfigError(f"rollout.prompts_per_step={self.rollout.prompts_per_step} must be divisible by "
                               f"rl.mini_batches={self.rl.mini_batches} (each mini-batch takes whole groups)")
         if self.rollout.old_log_probs == "rollout" and self.rl.ppo_epochs * self.rl.mini_batches > 1 \
-                and self.algorithm.mismatch.mode == "none":
+                and mismatch_mode(self.algorithm, self.rl) == "none":
             raise ConfigError("rollout.old_log_probs=rollout with several updates per batch uses the engine's "
                               "log-probs as the PPO anchor; set algorithm.mismatch.mode (e.g. tis) or use recompute")
         if self.rl.forgetting_kl and self.rl.ref_model is False:
@@ -679,6 +681,21 @@ def rollout_inputs(cfg: TrainConfig) -> RolloutInputs:
         partial=cfg.rl.max_staleness > 0 and cfg.rl.partial_rollouts, steps=cfg.rl.steps,
         mini_batches=cfg.rl.mini_batches, max_tokens_per_microbatch=cfg.rl.max_tokens_per_microbatch,
         progress=cfg.logging.progress)
+
+
+def mismatch_mode(algorithm: AlgorithmConfig, rl: RLConfig) -> str:
+    """algorithm.mismatch.mode, or its default when unset: tis with rl.max_staleness > 0, else none. Stale tokens
+    trained as if on-policy learn worse (benchmarks/async_rl.py: 4-21 points of pass@1 behind the synchronous run),
+    so asynchronous steps get PPO's decoupled objective unless a mode is chosen."""
+    if algorithm.mismatch.mode is not None:
+        return algorithm.mismatch.mode
+    return "tis" if rl.max_staleness else "none"
+
+
+def rl_algorithm(cfg: TrainConfig) -> AlgorithmConfig:
+    """The algorithm section an RL run's step uses: cfg.algorithm with the defaults that depend on other sections
+    resolved (mismatch_mode). A copy: the config itself is not changed."""
+    return replace(cfg.algorithm, mismatch=replace(cfg.algorithm.mismatch, mode=mismatch_mode(cfg.algorithm, cfg.rl)))
 
 
 def _validate_judge_stage(name: str, stage: JudgeStage, pools: dict, required: tuple[str, ...]) -> None:

@@ -29,7 +29,7 @@ from . import metrics, step as phases
 from .async_rollout import version_name
 from .batching import RankBatch, dump_train_rows
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import fleet_spec, rollout_inputs
+from .config import fleet_spec, rl_algorithm, rollout_inputs
 from .evaluate import forgetting_kl, held_out_metrics, held_out_prompts, save_pass_at_k
 from .logging import MetricsLog, PhaseTimer
 from .preemption import StopRequest
@@ -52,6 +52,7 @@ def dumped_samples(run_dir: str, step: int) -> list[dict]:
 class RLTrainer:
     def __init__(self, cfg, metrics_log: bool = True):
         self.cfg, self.started = cfg, time.perf_counter()
+        self.algorithm = rl_algorithm(cfg)  # the step's algorithm section, its cross-section defaults resolved
         if cfg.rl.max_staleness and platform.on_gpu() and cfg.rollout.placement == "colocated" and \
                 not cfg.rollout.engine.urls:
             raise ConfigError("rl.max_staleness > 0 needs engines that generate while Megatron trains, but colocated "
@@ -82,13 +83,13 @@ class RLTrainer:
         hf = folder.config  # the engine's routing per position: [layers, top-k] (MoE with rollout.engine_routing)
         self.routing_shape = (hf.num_hidden_layers, hf.num_experts_per_tok) \
             if folder.is_moe and cfg.rollout.engine_routing else None
-        use_ref = cfg.rl.ref_model if cfg.rl.ref_model is not None else cfg.algorithm.kl_coef > 0 or \
+        use_ref = cfg.rl.ref_model if cfg.rl.ref_model is not None else self.algorithm.kl_coef > 0 or \
             cfg.rl.forgetting_kl  # the reference is the initial model: the forgetting KL's anchor
         self.ref = build_reference(self.bridge, self.policy.chunks) if use_ref else None
         # GPU with rl.offload_ref: the reference lives in host memory except while it computes log-probs
         self.ref_on_device = offloaded(self.ref, self.ref is not None and cfg.rl.offload_ref and platform.on_gpu())
         self.critic = build_critic(self.bridge, self.policy.chunks, cfg.optim, cfg.rl.critic_lr, updates) \
-            if cfg.algorithm.use_critic else None
+            if self.algorithm.use_critic else None
         self.ckpt_root = os.path.join(cfg.run_dir, "checkpoints")
         self.step, self.state = 0, {}
         self._start_rollout_side()
@@ -129,7 +130,7 @@ class RLTrainer:
     def step_once(self, step: int) -> dict:
         """One RL step as the papers write it: each phase a function of megarl.trainer.step, each metric a reduction
         of megarl.trainer.metrics over the group that holds its values."""
-        cfg, algo, pg, timer, start = self.cfg, self.cfg.algorithm, self.pg, PhaseTimer(), time.perf_counter()
+        cfg, algo, pg, timer, start = self.cfg, self.algorithm, self.pg, PhaseTimer(), time.perf_counter()
         with timer("rollout"):  # 1. engines sample, rewards score (the rollout workers; under rl.max_staleness the
             #                        producer thread did it while earlier steps trained)
             rollout = self.side.take(step)
@@ -168,17 +169,17 @@ class RLTrainer:
         """Sets the old policy's log-probs (the trainer's recompute, or the engine's: rollout.old_log_probs); returns
         what is measured on them before any update (trainer-engine mismatch, entropy dynamics, MoE routing,
         staleness) and the old entropies (recompute only)."""
-        cfg, batch, pg = self.cfg, rb.batch, self.pg
+        cfg, algo, batch, pg = self.cfg, self.algorithm, rb.batch, self.pg
         signals, entropy = {}, None
         if cfg.rollout.old_log_probs == "recompute":
             routing = RoutingStats(self.policy.chunks) if engine_routing is not None else None
-            batch.old_log_probs, entropy = phases.log_probs(self.policy.model, rb, cfg.algorithm,
+            batch.old_log_probs, entropy = phases.log_probs(self.policy.model, rb, algo,
                                                             self.bridge.vocab_size, pg, entropy=True)
             signals.update(metrics.logprob_mismatch(batch.old_log_probs, batch.rollout_log_probs, batch.loss_mask, pg))
             signals.update(metrics.entropy_dynamics(entropy, batch.loss_mask, pg))
             if routing is not None:
                 signals.update(metrics.routing(routing, engine_routing, rb, self.policy.model,
-                                               cfg.algorithm.pack_sequences, self.bridge.config.num_layers,
+                                               algo.pack_sequences, self.bridge.config.num_layers,
                                                self.bridge.config.num_moe_experts, pg))
         else:
             batch.old_log_probs = batch.rollout_log_probs
@@ -247,7 +248,7 @@ class RLTrainer:
                                        cfg.rollout.max_new_tokens) if self.eval_records else [])]) or []
         with self.ref_on_device():
             return forgetting_kl(self.policy.model, self.ref, sampled[self.dp_rank::self.dp_size], self.tok.pad_id,
-                                 cfg.algorithm, self.bridge.vocab_size, self.pg)
+                                 self.algorithm, self.bridge.vocab_size, self.pg)
 
     # --------------------------------------------------------------------------------------------- the run
     def train(self) -> dict:

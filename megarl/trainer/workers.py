@@ -52,7 +52,7 @@ def reward_pools(reward: RewardConfig, rank: int) -> tuple[RewardPool, RewardPoo
     """The reward section's pool, and on rank 0 the held-out evaluation's own checker (reward.eval_name; None when it
     is the training reward)."""
     pool = RewardPool(reward.name, reward.workers, reward.timeout_s, reward.kwargs)
-    checker = RewardPool(reward.eval_name, 1, reward.timeout_s) \
+    checker = RewardPool(reward.eval_name, 1, reward.timeout_s, field="reward.eval_name") \
         if rank == 0 and reward.eval_name not in (None, reward.name) else None
     return pool, checker
 

@@ -2,7 +2,7 @@
 import pytest
 
 from megarl.config import ConfigError, load_config
-from megarl.trainer.config import TrainConfig, load_train_config
+from megarl.trainer.config import TrainConfig, load_train_config, rl_algorithm
 
 pytestmark = pytest.mark.unit
 
@@ -75,9 +75,14 @@ def test_yaml_float_strings_and_missing_file(tmp_path):
 
 def test_asynchronous_steps_get_the_decoupled_objective_unless_a_correction_is_chosen():
     """algorithm.mismatch.mode unset: tis (PPO's decoupled objective) with rl.max_staleness >= 1, none with
-    synchronous steps; a chosen mode, "none" included, is kept."""
+    synchronous steps; a chosen mode, "none" included, is kept. The RL entry point resolves it (rl_algorithm) on a
+    copy: loading and validating the config change nothing."""
     def mode(*overrides):
-        return load_train_config(None, ["model.path=x", *overrides]).algorithm.mismatch.mode
+        cfg = load_train_config(None, ["model.path=x", *overrides])
+        chosen = cfg.algorithm.mismatch.mode
+        resolved = rl_algorithm(cfg).mismatch.mode
+        assert cfg.algorithm.mismatch.mode == chosen and chosen in (None, resolved)
+        return resolved
 
     assert mode() == "none" and mode("rl.max_staleness=0") == "none"
     assert mode("rl.max_staleness=1") == "tis" and mode("rl.max_staleness=2") == "tis"
@@ -87,3 +92,7 @@ def test_asynchronous_steps_get_the_decoupled_objective_unless_a_correction_is_c
     with pytest.raises(ConfigError, match="rollout.old_log_probs=rollout"):
         load_train_config(None, ["model.path=x", "rollout.old_log_probs=rollout", "rl.mini_batches=2",
                                  "algorithm.mismatch.mode=none"])
+    with pytest.raises(ConfigError, match="rollout.old_log_probs=rollout"):  # unset, synchronous: none
+        load_train_config(None, ["model.path=x", "rollout.old_log_probs=rollout", "rl.mini_batches=2"])
+    load_train_config(None, ["model.path=x", "rollout.old_log_probs=rollout", "rl.mini_batches=2",
+                             "rl.max_staleness=1"])  # unset, asynchronous: tis corrects the engine's anchor

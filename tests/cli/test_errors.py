@@ -39,6 +39,14 @@ def not_sglang():
     server.shutdown()
 
 
+def one_argument_reward(response):  # a user's reward that cannot take (response, answer)
+    return 1.0
+
+
+def tagged_reward(response, answer, *, tag):  # ... and one that takes only the keyword `tag`
+    return float(tag in response)
+
+
 def _bad_inputs(tmp, not_sglang_url):
     """(case, overrides or extra config, words the one line must hold)."""
     bad_record = tmp / "bad_record.jsonl"
@@ -60,6 +68,13 @@ def _bad_inputs(tmp, not_sglang_url):
         ("data record without prompt", [f"data.train={bad_record}"], ["data.train", "line 2", "data.prompt_key"]),
         ("unknown reward", ["reward.name=nope"], ["reward.name", "nope"]),
         ("unknown reward module", ["reward.name=no_such_module:fn"], ["reward.name", "no_such_module"]),
+        ("reward that cannot take the call", ["reward.name=test_errors:one_argument_reward"],
+         ["reward.name", "one_argument_reward", "Fix: def fn(response, answer, **kwargs)"]),
+        ("reward.kwargs the reward does not take", ["reward.name=test_errors:tagged_reward",
+                                                    "reward.kwargs={tag: b, scale: 2}"],
+         ["reward.name", "reward.kwargs=['scale', 'tag']"]),
+        ("unknown transport", ["reshard.transport=nope"], ["reshard.transport", "disk"]),
+        ("transport module missing", ["reshard.transport=no_such_module:T"], ["reshard.transport", "no_such_module"]),
         ("unknown estimator", ["algorithm.advantage_estimator=nope"], ["algorithm.advantage_estimator", "grpo"]),
         ("unknown loss", ["algorithm.policy_loss=nope"], ["algorithm.policy_loss", "ppo_clip"]),
         ("unreachable engine", [f"rollout.engine.urls=[http://127.0.0.1:{_closed_port()}]"],

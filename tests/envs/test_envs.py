@@ -9,7 +9,7 @@ import torch
 from megarl.config import ConfigError
 from megarl.data import ChatTokenizer, DataError, load_responses, load_sft_samples
 from megarl.data.synthetic import tool_use_demonstrations
-from megarl.envs import ToolEnv, calculator, make_env
+from megarl.envs import EnvStep, ToolEnv, calculator, make_env
 from megarl.envs.episode import observation_ids
 from megarl.trainer.batching import Sample, token_batch
 from megarl.trainer.config import DataConfig, SyntheticConfig, load_train_config
@@ -131,6 +131,38 @@ def test_multi_turn_loss_mask_reaches_the_token_batch():
     assert batch.targets[1][batch.loss_mask[1] > 0].tolist() == [30, 31] and batch.loss_mask[2].sum() == 0
     assert torch.equal(batch.rollout_log_probs[0][batch.loss_mask[0] > 0], torch.full((5,), -0.5))
     assert batch.rollout_log_probs[0].sum() == pytest.approx(-2.5)  # observation log-probs never enter the loss
+
+
+class GuessEnv:
+    """A user's environment, written against megarl.envs.base.Env only: the model guesses a number in up to three
+    turns; each wrong guess is told higher or lower."""
+
+    def __init__(self, target: int = 7, **_):
+        self.target = target
+
+    def reset(self, record) -> None:
+        self.turns = 0
+
+    def step(self, turn_text: str) -> EnvStep:
+        self.turns += 1
+        guess = int(turn_text.strip())
+        if guess == self.target:
+            return EnvStep(observation=None, reward=1.0, done=True)
+        return EnvStep(observation="higher" if guess < self.target else "lower", done=self.turns >= 3,
+                       info={"wrong_guesses": 1})
+
+
+def test_a_users_environment_by_dotted_path():
+    """env.name: package.module:Class builds the user's Env with the rollout's arguments and env.kwargs."""
+    cfg = load_train_config(None, ['model.tiny={"family": "qwen2"}', "env.name=test_envs:GuessEnv",
+                                   "env.kwargs={target: 5}"])
+    env = make_env(cfg.env.name, tools=list(cfg.env.tools), tool_call_format=cfg.env.tool_call_format,
+                   **cfg.env.kwargs)
+    env.reset(None)
+    assert env.step("3") == EnvStep("higher", 0.0, False, {"wrong_guesses": 1})
+    assert env.step("5") == EnvStep(None, 1.0, True, {})
+    with pytest.raises(ValueError, match="env.name='nope' is unknown; choose one of .*'tool'.*package.module:attr"):
+        make_env("nope")
 
 
 def test_env_config_errors_name_the_field(tmp_path):

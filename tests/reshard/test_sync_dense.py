@@ -26,7 +26,8 @@ def engine(tiny_qwen2_engine):
 
 
 CASES = [("tp2", {"tp": 2}, 2, "tensor"), ("tp2", {"tp": 2}, 2, "distributed"), ("pp2", {"pp": 2}, 2, "tensor"),
-         ("pp2", {"pp": 2}, 2, "distributed"), ("tp2pp2", {"tp": 2, "pp": 2}, 4, "disk")]
+         ("pp2", {"pp": 2}, 2, "distributed"), ("tp2pp2", {"tp": 2, "pp": 2}, 4, "disk"),
+         ("tp2", {"tp": 2}, 2, "ranks:CountingTransport")]  # a user's transport by dotted path (tests/ranks.py)
 
 
 @pytest.mark.parametrize("name,layout,world,transport", CASES, ids=[f"{c[0]}-{c[3]}" for c in CASES])
@@ -43,6 +44,9 @@ def test_sync_makes_engine_match_trainer(engine, name, layout, world, transport)
     assert r["weight_versions"] == [r["stats"]["version"]] * 2  # completions are tagged with the synced version
     if transport != "disk":
         assert r["stats"]["buckets"] >= 2  # 256 KiB buckets: the model went over in several
+    if transport.startswith("ranks:"):  # every bucket went through the user's push
+        pushed = [x["user_transport_pushed"] for x in results]
+        assert sum(map(len, pushed)) == r["stats"]["buckets"] and sum(map(sum, pushed)) == r["stats"]["pushed_bytes"]
 
 
 def test_a_killed_trainers_open_window_is_taken_over(engine):

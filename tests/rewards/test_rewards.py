@@ -1,7 +1,7 @@
 """Reward functions and the reward process pool."""
 import pytest
 
-from megarl.rewards import RewardPool, exact_match, math_reward, resolve_reward
+from megarl.rewards import RewardPool, check_reward_call, exact_match, math_reward, resolve_reward
 
 
 @pytest.mark.unit
@@ -43,6 +43,33 @@ def test_dotted_path_and_errors_score_zero():
     try:
         assert pool.score([("x", None), ("y", None)]) == [0.0, 0.0]
         assert pool.take_errors() == 2 and pool.take_errors() == 0
+    finally:
+        pool.close()
+
+
+def one_argument_reward(response):
+    return 1.0
+
+
+def tagged_reward(response, answer, *, tag):
+    return float(f"<{tag}>" in response)
+
+
+@pytest.mark.unit
+def test_a_reward_that_cannot_take_the_call_is_refused_at_start_up():
+    """RewardFn: fn(response, answer, **reward.kwargs). A function that cannot take that call, or reward.kwargs it
+    does not accept, is refused when the pool is built (naming the field and the fix), not scored 0 on every
+    response; a keyword-only parameter given in reward.kwargs is fine."""
+    with pytest.raises(ValueError, match=r"reward.name: the reward function 'one_argument_reward'\(response\)"):
+        RewardPool("test_rewards:one_argument_reward", workers=1)
+    with pytest.raises(ValueError, match=r"reward.kwargs=\['scale', 'tag'\].*Fix: def fn"):
+        RewardPool("test_rewards:tagged_reward", workers=1, kwargs={"tag": "b", "scale": 2.0})
+    with pytest.raises(ValueError, match="reward.eval_name: the reward function"):
+        RewardPool("test_rewards:tagged_reward", workers=1, field="reward.eval_name")  # `tag` missing
+    check_reward_call(tagged_reward, {"tag": "b"})
+    pool = RewardPool("test_rewards:tagged_reward", workers=1, kwargs={"tag": "b"})
+    try:
+        assert pool.score([("<b>x</b>", None), ("x", None)]) == [1.0, 0.0]
     finally:
         pool.close()
 

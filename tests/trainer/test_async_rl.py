@@ -378,6 +378,9 @@ def test_async_run_trains_no_token_older_than_allowed(async_run):
     # trained against stale weights, the trainer's recomputed log-probs no longer equal the engine's (lag 1), while
     # step 1 (lag 0) agrees to numerics
     assert metrics[1]["mismatch/logprob_abs_diff_lag0"] < 1e-4 < metrics[3]["mismatch/logprob_abs_diff_lag1"]
+    # algorithm.mismatch.mode unset with rl.max_staleness=1: the step corrects with tis (pi_old / pi_engine, capped),
+    # whose mean weight leaves 1 once the engine's tokens are stale (unset as "none" would keep it exactly 1)
+    assert abs(metrics[1]["is_weight"] - 1.0) < 1e-3 and metrics[3]["is_weight"] != 1.0
 
 
 @pytest.mark.e2e
