@@ -41,7 +41,12 @@ def _load(args):
     from megarl.trainer import load_train_config
 
     cfg = load_train_config(args.config, args.overrides)
-    preflight(cfg, args.command, engines=_rank() == 0, world_size=int(os.environ.get("WORLD_SIZE", "1") or 1))
+    preflight(cfg, args.command, engines=_rank() == 0, world_size=int(os.environ.get("WORLD_SIZE", "1") or 1),
+              force_resume=getattr(args, "resume", None) == "force")
+    if args.command != "eval" and _rank() == 0:  # the run folder now belongs to this config (run_identity)
+        from megarl.trainer.run_identity import record_run
+
+        record_run(cfg, args.command)
     return cfg
 
 
@@ -105,6 +110,7 @@ def _run(args) -> int:
         return 0
     summary = {"pass_at_1_before": rl["pass_at_1_before"], "pass_at_1_after": rl["pass_at_1_after"],
                "wall_s": round(time.perf_counter() - start, 1), "seed": cfg.seed, "rl_steps": rl["steps"],
+               "resumed_from_step": rl["resumed_from_step"],  # > 0: wall_s is this process's part of the run
                "sft_steps": sft["steps"] if sft else 0, "sft_wall_s": round(sft["wall_s"], 1) if sft else 0.0}
     with open(os.path.join(cfg.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -216,6 +222,9 @@ def _parser() -> argparse.ArgumentParser:
                        "without GPU) per node (default: torchrun/Slurm env, else this machine: its GPUs, or 1 CPU "
                        "process)")
         p.add_argument("--verbose", action="store_true", help="--dry-run: list every group, engine and node")
+        p.add_argument("--resume", choices=["force"], default=None, help="force: resume the checkpointed run in "
+                       "run_dir even though fields that define the run changed (without it that stops with one line "
+                       "naming them; megarl.trainer.run_identity)")
     eval_help = ("held-out evaluation of CONFIG's model (its latest checkpoint, model.load, or model.path) under "
                  "torchrun: samples --samples responses per held-out prompt from SGLang and reports pass@k for k = 1, "
                  "2, 4, ... up to n (unbiased estimator, with the curve in <out>/pass_at_k.png/json), mean@n, maj@n "
@@ -249,7 +258,7 @@ def _dry_run(args) -> int:
     from megarl.launch import dry_run
 
     print(dry_run(args.command, args.config, args.overrides, args.nnodes, args.gpus_per_node, args.verbose,
-                  check_engines=args.check_engines))
+                  check_engines=args.check_engines, force_resume=args.resume == "force"))
     return 0
 
 

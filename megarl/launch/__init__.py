@@ -13,7 +13,8 @@ from .topology import (ENGINE_PORT, GROUP_KINDS, RDZV_PORT, Engine, GroupKind, N
 
 
 def dry_run(command: str, config: str, overrides: list[str], nnodes: int | None = None,
-            gpus_per_node: int | None = None, verbose: bool = False, environ=None, check_engines: bool = False) -> str:
+            gpus_per_node: int | None = None, verbose: bool = False, environ=None, check_engines: bool = False,
+            force_resume: bool = False) -> str:
     """Load and validate the config, run the pre-flight checks (megarl.launch.preflight), plan it and return the
     report. Raises a UserError (ConfigError, TopologyError, ...) with the field and the fix. Never initialises
     torch.distributed and never reads weights."""
@@ -22,7 +23,7 @@ def dry_run(command: str, config: str, overrides: list[str], nnodes: int | None 
 
     env = os.environ if environ is None else environ
     cfg = load_train_config(config, overrides)
-    checked = preflight(cfg, command, engines=check_engines, planning=True)
+    checked = preflight(cfg, command, engines=check_engines, planning=True, force_resume=force_resume)
     # Without --nnodes/--gpus-per-node or a launcher's variables, the plan is for this machine: its GPUs, or, on a
     # machine without one, the CPU run it would do (one process unless torchrun says more).
     explicit = nnodes is not None or gpus_per_node is not None

@@ -25,9 +25,10 @@ def _about(field: str):
 
 
 def preflight(cfg, command: str, *, engines: bool = False, world_size: int | None = None,
-              first_records: int = FIRST_RECORDS, planning: bool = False) -> list[str]:
+              first_records: int = FIRST_RECORDS, planning: bool = False, force_resume: bool = False) -> list[str]:
     """Run the checks for `command` (train | sft | run | eval) on a validated TrainConfig; return what was checked.
     world_size: the ranks the command runs on, to check the parallel layout against (a dry run plans it itself).
+    force_resume: --resume force (a checkpointed run in run_dir may be resumed with changed fields).
     planning: a dry run of a preset for another machine: when model.path is not here and the preset carries a
     model.shape hint, the files it names (model folder, data, model.load) are reported as not checked instead of
     failing; run_dir, names and values are still checked."""
@@ -38,6 +39,10 @@ def preflight(cfg, command: str, *, engines: bool = False, world_size: int | Non
     # A dry run leaves nothing behind; a run keeps the folders it made: it writes there next, and removing them would
     # race with the other ranks running this same check on a shared filesystem.
     done = [check_run_dir(cfg.run_dir, keep=not planning)]
+    if command != "eval":  # eval reads the run's checkpoint and writes beside it; it resumes nothing
+        from ..trainer.run_identity import check_run_identity
+
+        done.append(check_run_identity(cfg, command, force=force_resume))
     if world_size is not None:
         done.append(check_layout(cfg, world_size))
     folder = tokenizer = None

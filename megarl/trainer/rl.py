@@ -254,6 +254,7 @@ class RLTrainer:
     def train(self) -> dict:
         cfg = self.cfg
         self.stop = StopRequest(cfg.run_dir, self.rank, "cuda" if platform.on_gpu() else "cpu")
+        self.resumed_from = self.step  # 0: a new run; else the checkpoint's step (the summary says it)
         self.sync_weights(self.step, verify=True)  # the engines start from the trainer's weights
         if self.step == 0:
             self.state["eval_before"] = self.evaluate("before")
@@ -304,7 +305,7 @@ class RLTrainer:
         before = self.state.get("eval_before") or {}
         summary = {"pass_at_1_before": before.get("eval/pass_at_1"), "pass_at_1_after": after.get("eval/pass_at_1"),
                    "wall_s": time.perf_counter() - self.started, "seed": self.cfg.seed, "steps": self.step,
-                   "run_dir": self.cfg.run_dir}
+                   "resumed_from_step": self.resumed_from, "run_dir": self.cfg.run_dir}
         if self.rank == 0:
             with open(os.path.join(self.cfg.run_dir, "rl_summary.json"), "w") as f:
                 json.dump(summary, f, indent=1)
