@@ -112,11 +112,17 @@ def _run(args) -> int:
                "wall_s": round(time.perf_counter() - start, 1), "seed": cfg.seed, "rl_steps": rl["steps"],
                "resumed_from_step": rl["resumed_from_step"],  # > 0: wall_s is this process's part of the run
                "sft_steps": sft["steps"] if sft else 0, "sft_wall_s": round(sft["wall_s"], 1) if sft else 0.0}
+    if "held_out" in rl:  # no held-out prompts: the summary says why pass@1 is null
+        summary["held_out"] = rl["held_out"]
     with open(os.path.join(cfg.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     png, md = render(cfg.run_dir)
-    print(f"\nmegarl run {cfg.run_dir}: held-out pass@1 {summary['pass_at_1_before']:.1f}% before RL -> "
-          f"{summary['pass_at_1_after']:.1f}% after ({summary['rl_steps']} RL steps, wall {summary['wall_s']:.0f} s)")
+    if "held_out" in rl:
+        result = f"held-out pass@1: {rl['held_out']}"
+    else:
+        result = (f"held-out pass@1 {summary['pass_at_1_before']:.1f}% before RL -> "
+                  f"{summary['pass_at_1_after']:.1f}% after")
+    print(f"\nmegarl run {cfg.run_dir}: {result} ({summary['rl_steps']} RL steps, wall {summary['wall_s']:.0f} s)")
     print(f"  summary {os.path.join(cfg.run_dir, 'summary.json')}\n  report  {md}\n  plots   {png}")
     return 0
 

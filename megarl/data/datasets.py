@@ -5,6 +5,7 @@ Every record is validated when the file is read; a bad one is an error naming th
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -149,7 +150,19 @@ def prompt_source(spec: str, cfg, split: str = "train") -> list[tuple[str, dict]
 
         return [(where, {cfg.messages_key: r["messages"], cfg.answer_key: r["answer"]})
                 for where, r in reasoning_gym.prompt_records(cfg.reasoning_gym, split)]
-    return read_records(spec)
+    records = read_records(spec)
+    if cfg.eval_fraction and spec == cfg.train:  # the held-out part of the train file, or the rest
+        records = [(where, r) for where, r in records if in_eval_fraction(r, cfg) == (split == "eval")]
+    return records
+
+
+def in_eval_fraction(record: dict, cfg) -> bool:
+    """Whether data.eval_fraction holds this prompt out: a hash of its text (prompt_key, or the messages as JSON)
+    below the fraction, the same on every run and machine; equal prompts fall on the same side."""
+    text = record.get(cfg.prompt_key)
+    if not isinstance(text, str):
+        text = json.dumps(record.get(cfg.messages_key), sort_keys=True)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") < cfg.eval_fraction * 2 ** 64
 
 
 def load_prompts(spec: str, tokenizer: ChatTokenizer, cfg, split: str = "train", tools=None) -> list[PromptRecord]:

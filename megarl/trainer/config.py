@@ -113,6 +113,9 @@ class DataConfig:
     # a JSONL/Parquet file or folder of prompts, or "synthetic" / "reasoning_gym" (sections below) / "humaneval"
     train: str = "synthetic"
     eval: Optional[str] = None  # held-out prompts; None with a procedural train source: its held-out split
+    # without data.eval: hold out this fraction of a train file's prompts (chosen by a hash of the prompt's text, so
+    # the split is the same on every run and machine and a prompt never lands on both sides); 0: no held-out set
+    eval_fraction: float = 0.0
     prompt_key: str = "prompt"  # a string (user turn) ...
     messages_key: str = "messages"  # ... or a list of chat messages
     answer_key: str = "answer"
@@ -122,6 +125,16 @@ class DataConfig:
     shuffle: bool = True
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+
+    def __post_init__(self):
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1) (e.g. 0.05)")
+        if self.eval_fraction and self.eval:
+            raise ConfigError(f"data.eval_fraction={self.eval_fraction} holds out part of data.train, but "
+                              f"data.eval={self.eval!r} is set too. Fix: one of them")
+        if self.eval_fraction and self.train in ("synthetic", "reasoning_gym", "humaneval"):
+            raise ConfigError(f"data.eval_fraction splits a data file, but data.train={self.train} has its own "
+                              "held-out split. Fix: unset data.eval_fraction")
 
 
 @dataclass

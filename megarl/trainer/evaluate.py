@@ -37,9 +37,9 @@ from .setup import build_policy, init_parallel, moe_config_overrides, prepare_mo
 
 
 def held_out_prompts(data: DataConfig, tok, tools: list[dict] | None) -> list[PromptRecord]:
-    """The held-out prompts (data.eval, or a procedural source's held-out split; none without either), with the tool
-    schemas the prompts render (megarl.trainer.setup.prompt_tools)."""
-    spec = data.eval or (data.train if data.train in PROCEDURAL else None)
+    """The held-out prompts (data.eval, a procedural source's held-out split, or data.eval_fraction of the train
+    file; none without any), with the tool schemas the prompts render (megarl.trainer.setup.prompt_tools)."""
+    spec = data.eval or (data.train if data.train in PROCEDURAL or data.eval_fraction else None)
     with about(f"data.eval={spec}"):
         return load_prompts(spec, tok, data, "eval", tools) if spec else []
 

@@ -49,6 +49,9 @@ def dumped_samples(run_dir: str, step: int) -> list[dict]:
     return sorted(records, key=lambda r: r["sample"])
 
 
+NO_HELD_OUT = "none: pass@1 needs held-out prompts; set data.eval (a file) or data.eval_fraction (e.g. 0.05 of data.train)"
+
+
 class RLTrainer:
     def __init__(self, cfg, metrics_log: bool = True):
         self.cfg, self.started = cfg, time.perf_counter()
@@ -306,6 +309,8 @@ class RLTrainer:
         summary = {"pass_at_1_before": before.get("eval/pass_at_1"), "pass_at_1_after": after.get("eval/pass_at_1"),
                    "wall_s": time.perf_counter() - self.started, "seed": self.cfg.seed, "steps": self.step,
                    "resumed_from_step": self.resumed_from, "run_dir": self.cfg.run_dir}
+        if self.rank == 0 and not self.eval_records:
+            summary["held_out"] = NO_HELD_OUT
         if self.rank == 0:
             with open(os.path.join(self.cfg.run_dir, "rl_summary.json"), "w") as f:
                 json.dump(summary, f, indent=1)

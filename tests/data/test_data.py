@@ -70,6 +70,31 @@ def test_prompt_files_validate_with_line_numbers(tmp_path, tok):
         load_prompts(str(good), tok, DataConfig(max_prompt_tokens=4))
 
 
+def test_eval_fraction_holds_out_a_deterministic_disjoint_share_of_the_train_file(tmp_path, tok):
+    """data.eval_fraction without data.eval: the held-out prompts are chosen by their text (the same split on every
+    run, in any order, duplicates on one side), never trained on, and the held-out evaluation reads them."""
+    from megarl.config import ConfigError
+    from megarl.trainer.evaluate import held_out_prompts
+
+    path = tmp_path / "own.jsonl"
+    rows = [{"prompt": f"{a}+{a}=", "answer": 2 * a} for a in range(400)] + [{"prompt": "7+7=", "answer": 14}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = DataConfig(train=str(path), eval_fraction=0.1)
+    train = [r.text for r in load_prompts(str(path), tok, data, "train")]
+    held = [r.text for r in held_out_prompts(data, tok, None)]
+    assert len(train) + len(held) == len(rows) and not set(train) & set(held)
+    assert 20 <= len(held) <= 60  # ~10% of 400 distinct prompts
+    assert train.count("7+7=") == 2 or held.count("7+7=") == 2  # the duplicate stays on one side
+    path.write_text("".join(json.dumps(r) + "\n" for r in reversed(rows)))  # another order: the same split
+    assert sorted(r.text for r in held_out_prompts(data, tok, None)) == sorted(held)
+    assert held_out_prompts(DataConfig(train=str(path)), tok, None) == []  # no fraction, no data.eval: none
+    for bad, message in [(dict(eval_fraction=1.0), r"data.eval_fraction=1.0 must be in \[0, 1\)"),
+                         (dict(eval_fraction=0.1, eval="e.jsonl"), "data.eval='e.jsonl' is set too"),
+                         (dict(eval_fraction=0.1, train="synthetic"), "has its own held-out split")]:
+        with pytest.raises(ConfigError, match=message):
+            DataConfig(**{"train": str(path), **bad})
+
+
 def test_parquet_prompts_and_sft_errors(tmp_path, tok):
     import pyarrow as pa
     import pyarrow.parquet as pq
