@@ -44,24 +44,37 @@ if sys.version_info[:2] < (3, 11):
     sys.exit(f"megarl needs Python >= 3.11 (found {sys.version.split()[0]}); set PYTHON=/path/to/python3.11")
 EOF
 
-echo "megarl: installing the $MEGARL_DEVICE stack into $VENV"
+START=$SECONDS
+TOTAL=5; [ "$MEGARL_DEVICE" = cpu ] || TOTAL=3
+STEP=0
+step() {  # one progress line per stage: pip stays quiet, and the first install (minutes) never looks stuck
+  STEP=$((STEP + 1))
+  echo "megarl: [$STEP/$TOTAL] $1 ($((SECONDS - START)) s so far)"
+}
+echo "megarl: installing the $MEGARL_DEVICE stack into $VENV (benchmarks/results/install.json: how long and how big)"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 
 if [ "$MEGARL_DEVICE" = cpu ]; then
   # torch 2.13.0 CPU wheel first, so nothing below can pull a CUDA build.
+  step "torch 2.13.0 (CPU wheel)"
   "${PIP[@]}" torch==2.13.0
+  step "the CPU requirements (requirements/cpu.txt: transformers, SGLang's CPU dependencies, reasoning-gym, ...)"
   "${PIP[@]}" -r requirements/cpu.txt
   # SGLang's declared dependencies pin CUDA-only packages (torch==2.14.1 CUDA, flashinfer, sglang-kernel); on CPU we
   # install it without them on top of the exact list above (requirements/cpu.txt), which is what its CPU engine needs.
+  step "sglang 0.5.23 (without its CUDA-only dependencies)"
   "${PIP[@]}" --no-deps sglang==0.5.23
 else
+  step "the GPU requirements (requirements/gpu.txt)"
   "${PIP[@]}" -r requirements/gpu.txt
 fi
 # megatron-core 0.19.2 declares Requires-Python>=3.12 but ships a cp311 wheel that runs on 3.11; mbridge declares no
 # requirements. Both go in without dependency resolution; their real needs are in the requirement lists.
+step "megatron-core 0.19.2 and mbridge 0.15.1"
 "${PIP[@]}" --no-deps --ignore-requires-python megatron-core==0.19.2 mbridge==0.15.1
+step "megarl (editable)"
 "${PIP[@]}" --no-deps --no-build-isolation -e .
 
 echo "$STAMP" > "$STAMP_FILE"
-echo "megarl: installed ($("$VENV/bin/python" -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)'))"
+echo "megarl: installed in $((SECONDS - START)) s ($("$VENV/bin/python" -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)'))"
