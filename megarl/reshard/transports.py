@@ -65,7 +65,6 @@ class WeightSource:
 class WeightTransport(Protocol):
     """How weights reach one engine. Every method is called on every trainer rank (collectives are allowed);
     `client` (the engine's EngineClient) may be called from any rank."""
-    name: str
     shared_memory: bool  # the buckets handed to this transport may live in shared memory (the engine maps them)
 
     def setup(self, owners: list[int]) -> None:
