@@ -99,7 +99,8 @@ def _eval(summary: dict, run_dir: str, out: str | None = None, **_) -> tuple[str
         parts.append(f"{summary['eval/prompts']} prompts x {summary.get('eval/samples_per_prompt')} samples")
     if "responses/trainer_ppl" in summary:
         parts.append(f"responses: trainer PPL {_num(summary['responses/trainer_ppl'])}, engine PPL "
-                     f"{_num(summary.get('responses/engine_ppl'))}, entropy {_num(summary.get('responses/trainer_entropy'))}")
+                     f"{_num(summary.get('responses/engine_ppl'))}, entropy "
+                     f"{_num(summary.get('responses/trainer_entropy'))}")
     if not parts:
         parts.append("no held-out prompts (set data.eval, or data.eval_fraction)")
     head = f"step {summary.get('step', 0)}: " + "; ".join(parts)
