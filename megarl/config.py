@@ -89,8 +89,9 @@ def build(cls, raw: dict | None, prefix: str = ""):
             close = difflib.get_close_matches(name, everything, n=1, cutoff=0.5) or \
                 difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
             hint = f" Did you mean {close[0] if '.' in close[0] else prefix + close[0]!r}?" if close else ""
+            fix = f"rename it to {close[0] if '.' in close[0] else prefix + close[0]}" if close else "remove it"
             raise ConfigError(f"unknown config key {name!r}.{hint} Valid keys under "
-                              f"{prefix[:-1] or 'the top level'}: {sorted(fields)}")
+                              f"{prefix[:-1] or 'the top level'}: {sorted(fields)}. Fix: {fix}")
         kwargs[key] = _coerce(hints[key], value, name)
     try:
         return cls(**kwargs)

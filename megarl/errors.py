@@ -22,6 +22,19 @@ class UserError(Exception):
     """Input the user can fix; the message is one line naming the field and the fix."""
 
 
+def unknown_name(field: str, value, choices, also: str = "") -> str:
+    """The one line for a name that is not one of `choices`: the close matches first ("did you mean X?", difflib),
+    the choices, and the Fix. also: what else the field takes (e.g. " or give 'package.module:attribute'")."""
+    import difflib
+
+    names = [str(c) for c in choices]
+    close = difflib.get_close_matches(str(value), names, n=3, cutoff=0.6)
+    if close:
+        return (f"{field}={value!r} is unknown; did you mean {close[0]}? Fix: {field}={close[0]} (choose one of "
+                f"{names}{also})")
+    return f"{field}={value!r} is unknown; choose one of {names}{also}. Fix: set {field} to one of these"
+
+
 class RemoteUserError(UserError):
     """The UserError another rank raised (re-raised on this rank so every rank stops together)."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..errors import UserError
+from ..errors import UserError, unknown_name
 from .advantages import ADVANTAGE_ESTIMATORS
 from .aggregation import AGGREGATIONS
 from .kl import KL_ESTIMATORS, TOP_K_KL
@@ -193,4 +193,4 @@ class AlgorithmConfig:
 def _choice(name, value, choices) -> None:
     if value not in choices:
         listed = sorted(str(c) for c in choices if c is not None)  # None is "unset", not a value to write
-        raise AlgorithmConfigError(f"algorithm.{name}={value!r} is unknown; choose one of {listed}")
+        raise AlgorithmConfigError(unknown_name(f"algorithm.{name}", value, listed))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
+from ..errors import unknown_name
+
 
 def registrar(table: dict[str, Callable]):
     """A decorator factory that adds functions to `table` under a name: @register("name")."""
@@ -26,9 +28,10 @@ def resolve(table: dict, name: str, field: str):
         try:
             found = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
-            raise ValueError(f"{field}={name!r}: cannot import {attr!r} from {module!r} ({e})") from None
+            raise ValueError(f"{field}={name!r}: cannot import {attr!r} from {module!r} ({e}). Fix: make {module!r} "
+                             "importable (installed, or its folder on PYTHONPATH) and check the attribute's name, or "
+                             f"use a registered name: {sorted(table)}") from None
         if not callable(found):
             raise ValueError(f"{field}={name!r} is not callable")
         return found
-    raise ValueError(f"{field}={name!r} is unknown; choose one of {sorted(table)} or give "
-                     "'package.module:attribute'")
+    raise ValueError(unknown_name(field, name, sorted(table), " or give 'package.module:attribute'"))

@@ -34,14 +34,16 @@ def read_records(path: str, limit: int | None = None) -> list[tuple[str, dict]]:
     if os.path.isdir(path):
         return _read_folder(path, limit)
     if not os.path.isfile(path):
-        raise DataError(f"dataset file {path!r} does not exist")
+        raise DataError(f"dataset file {path!r} does not exist. Fix: correct the path (a relative one is from the "
+                        f"folder megarl runs in: {os.getcwd()}), or name a dataset folder")
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
         try:
             rows = pq.read_table(path).to_pylist()
         except Exception as e:  # pyarrow raises several types for a corrupt file
-            raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+            raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e}). Fix: rewrite it (e.g. "
+                            "datasets' to_parquet), or give a JSONL file") from None
         return [(f"{path}:row {i}", r) for i, r in enumerate(rows[:limit])]
     out = []
     with open(path) as f:
@@ -51,14 +53,17 @@ def read_records(path: str, limit: int | None = None) -> list[tuple[str, dict]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:line {number}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise DataError(f"{path}:line {number}: not valid JSON ({e.msg} at column {e.colno}). Fix: one JSON "
+                                "object per line (JSON Lines, e.g. json.dumps of each record)") from None
             if not isinstance(record, dict):
-                raise DataError(f"{path}:line {number}: expected a JSON object, got {type(record).__name__}")
+                raise DataError(f"{path}:line {number}: expected a JSON object, got {type(record).__name__}. Fix: "
+                                "one object per line, e.g. {\"prompt\": ..., \"answer\": ...}")
             out.append((f"{path}:line {number}", record))
             if limit is not None and len(out) >= limit:
                 break
     if not out:
-        raise DataError(f"dataset file {path!r} holds no records")
+        raise DataError(f"dataset file {path!r} holds no records. Fix: point it at the file with the data (one JSON "
+                        "object per line)")
     return out
 
 
@@ -78,7 +83,8 @@ def _read_folder(path: str, limit: int | None) -> list[tuple[str, dict]]:
         try:
             rows = datasets.load_from_disk(path)
         except Exception as e:  # datasets raises several types for a folder it cannot read
-            raise DataError(f"{path}: not a readable Hugging Face dataset folder ({type(e).__name__}: {e})") from None
+            raise DataError(f"{path}: not a readable Hugging Face dataset folder ({type(e).__name__}: {e}). Fix: save "
+                            "it again with save_to_disk, or give a JSONL/Parquet file") from None
         if limit is not None:
             rows = rows.select(range(min(limit, len(rows))))
         out = [(f"{path}:row {i}", r) for i, r in enumerate(rows)]
@@ -98,7 +104,7 @@ def _read_folder(path: str, limit: int | None) -> list[tuple[str, dict]]:
             if limit is not None and len(out) >= limit:
                 break
     if not out:
-        raise DataError(f"dataset folder {path!r} holds no records")
+        raise DataError(f"dataset folder {path!r} holds no records. Fix: point at the folder (or file) with the data")
     return out
 
 
@@ -114,7 +120,7 @@ def _messages(where: str, record: dict, cfg) -> list[dict]:
         messages = [{"role": "user", "content": prompt}]
     else:
         raise DataError(f"{where}: has neither {cfg.prompt_key!r} (a prompt string) nor {cfg.messages_key!r} (chat "
-                        f"messages); keys are {sorted(record)}. Fix the file or set data.prompt_key / "
+                        f"messages); keys are {sorted(record)}. Fix: correct the file, or set data.prompt_key / "
                         "data.messages_key")
     if cfg.system_prompt and messages[0].get("role") != "system":
         messages = [{"role": "system", "content": cfg.system_prompt}] + messages

@@ -33,7 +33,8 @@ def check_task(name, field: str) -> None:
         close = difflib.get_close_matches(str(name), names, n=5, cutoff=0.5)
         hint = f"did you mean {', '.join(close)}?" if close else f"choose one of the {len(names)} tasks, e.g. " \
                                                                  f"{', '.join(names[:8])}, ..."
-        raise ConfigError(f"{field}={name!r} is not a reasoning-gym task; {hint}")
+        fix = f"{field}={close[0]}" if close else f"{field}=<a task name> (reasoning_gym.factory.DATASETS lists them)"
+        raise ConfigError(f"{field}={name!r} is not a reasoning-gym task; {hint} Fix: {fix}")
 
 
 def dataset_specs(cfg) -> list[dict]:

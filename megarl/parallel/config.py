@@ -158,7 +158,8 @@ class ParallelConfig:
 
 def _positive(field: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ParallelConfigError(f"parallel.{field} must be a positive integer, got {value!r}")
+        raise ParallelConfigError(f"parallel.{field} must be a positive integer, got {value!r}. Fix: "
+                                  f"parallel.{field}=1 (no split), or a size that divides the GPUs")
 
 
 def _divides(model_field: str, value: int, parallel_field: str, size: int) -> None:

@@ -8,6 +8,7 @@ from typing import Optional
 from ..algorithms import AlgorithmConfig
 from ..algorithms.advantages import estimator
 from ..config import ConfigError, load_config
+from ..errors import unknown_name
 from ..parallel import ModelShape, ParallelConfig
 
 
@@ -43,7 +44,7 @@ class ModelConfig:
         shape = model_shape_hint(self.shape) if self.shape is not None else None
         if self.moe_aux_loss_coeff is not None and self.moe_aux_loss_coeff < 0:
             raise ConfigError(f"model.moe_aux_loss_coeff must be >= 0 (or null: the HF config's "
-                              f"router_aux_loss_coef), got {self.moe_aux_loss_coeff}")
+                              f"router_aux_loss_coef), got {self.moe_aux_loss_coeff}. Fix: e.g. 0.001, or null")
         if shape is not None and not shape.num_experts:
             # A dense model has no router; 0.0 / false are harmless no-ops and accepted.
             for name, active in (("moe_aux_loss_coeff", bool(self.moe_aux_loss_coeff)),
@@ -89,7 +90,7 @@ class SyntheticConfig:
 
     def __post_init__(self):
         if not 0.0 <= self.sft_tool_share <= 1.0:
-            raise ConfigError(f"data.synthetic.sft_tool_share={self.sft_tool_share} must be in [0, 1]")
+            raise ConfigError(f"data.synthetic.sft_tool_share={self.sft_tool_share} must be in [0, 1]. Fix: e.g. 0.2")
 
 
 @dataclass
@@ -128,7 +129,7 @@ class DataConfig:
 
     def __post_init__(self):
         if not 0.0 <= self.eval_fraction < 1.0:
-            raise ConfigError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1) (e.g. 0.05)")
+            raise ConfigError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1). Fix: e.g. 0.05 (or 0: none)")
         if self.eval_fraction and self.eval:
             raise ConfigError(f"data.eval_fraction={self.eval_fraction} holds out part of data.train, but "
                               f"data.eval={self.eval!r} is set too. Fix: one of them")
@@ -203,7 +204,9 @@ class RolloutConfig:
         _choice("rollout.placement", self.placement, ("colocated", "disaggregated"))
         _at_least("rollout", self, ("prompts_per_step", "n_samples", "max_new_tokens", "request_size"))
         if self.overlong == "penalty" and not 0 < self.overlong_buffer < self.max_new_tokens:
-            raise ConfigError("rollout.overlong=penalty needs 0 < rollout.overlong_buffer < rollout.max_new_tokens")
+            raise ConfigError(f"rollout.overlong=penalty needs 0 < rollout.overlong_buffer < rollout.max_new_tokens="
+                              f"{self.max_new_tokens}, got {self.overlong_buffer}. Fix: e.g. rollout.overlong_buffer="
+                              f"{max(1, self.max_new_tokens // 4)}")
 
     @property
     def engine_routing(self) -> bool:
@@ -381,7 +384,7 @@ class RLConfig:
         _at_least("rl", self, ("steps", "ppo_epochs", "mini_batches", "max_tokens_per_microbatch"))
         if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ConfigError(f"rl.max_staleness must be an integer >= 0 (0: synchronous steps), "
-                              f"got {self.max_staleness!r}")
+                              f"got {self.max_staleness!r}. Fix: rl.max_staleness=0, or 1 (one step ahead)")
 
 
 @dataclass
@@ -513,7 +516,8 @@ class TrainConfig:
         __post_init__), each naming the fields it relates. Nothing is changed: a default that depends on another
         section is resolved by the entry point that uses it (`rl_algorithm`)."""
         if (self.model.path is None) == (self.model.tiny is None):
-            raise ConfigError("set exactly one of model.path (an HF folder) and model.tiny (a tiny random model)")
+            raise ConfigError("set exactly one of model.path (an HF folder) and model.tiny (a tiny random model). Fix: "
+                              "model.path=FOLDER model.tiny=null (or the other way round)")
         self.algorithm.validate()
         self._validate_placement()
         if estimator(self.algorithm.advantage_estimator).needs_groups and self.rollout.n_samples < 2:
@@ -522,11 +526,14 @@ class TrainConfig:
                               "rollout.n_samples >= 2 (e.g. 8), or use reinforce_plus_plus")
         if self.rollout.prompts_per_step % self.rl.mini_batches:
             raise ConfigError(f"rollout.prompts_per_step={self.rollout.prompts_per_step} must be divisible by "
-                              f"rl.mini_batches={self.rl.mini_batches} (each mini-batch takes whole groups)")
+                              f"rl.mini_batches={self.rl.mini_batches} (each mini-batch takes whole groups). Fix: "
+                              f"a multiple of {self.rl.mini_batches} for rollout.prompts_per_step, or fewer "
+                              "rl.mini_batches")
         if self.rollout.old_log_probs == "rollout" and self.rl.ppo_epochs * self.rl.mini_batches > 1 \
                 and mismatch_mode(self.algorithm, self.rl) == "none":
             raise ConfigError("rollout.old_log_probs=rollout with several updates per batch uses the engine's "
-                              "log-probs as the PPO anchor; set algorithm.mismatch.mode (e.g. tis) or use recompute")
+                              "log-probs as the PPO anchor. Fix: algorithm.mismatch.mode=tis (or another mode), or "
+                              "rollout.old_log_probs=recompute")
         if self.rl.forgetting_kl and self.rl.ref_model is False:
             raise ConfigError("rl.forgetting_kl=true compares the policy with the initial model, which is the "
                               "reference model. Fix: rl.ref_model: true (or unset), or rl.forgetting_kl: false")
@@ -546,7 +553,7 @@ class TrainConfig:
         if self.algorithm.temperature != self.rollout.temperature:
             raise ConfigError(f"algorithm.temperature={self.algorithm.temperature} must equal rollout.temperature="
                               f"{self.rollout.temperature}: the trainer's log-probs must be of the distribution the "
-                              "engine sampled from")
+                              f"engine sampled from. Fix: algorithm.temperature={self.rollout.temperature}")
         return self
 
     def _validate_teacher(self) -> None:
@@ -748,13 +755,17 @@ def _check_score_parser(name: str, pattern: Optional[str], parser: Optional[str]
 
 def _choice(name: str, value, choices) -> None:
     if value not in choices:
-        raise ConfigError(f"{name}={value!r} is unknown; choose one of {list(choices)}")
+        raise ConfigError(unknown_name(name, value, list(choices)))
 
 
 def _at_least(section: str, values, names: tuple, low: int = 1) -> None:
     for name in names:
         if getattr(values, name) < low:
-            raise ConfigError(f"{section}.{name} must be >= {low}, got {getattr(values, name)}")
+            default = next((f.default for f in fields(values) if f.name == name), None)
+            example = f"e.g. {section}.{name}={default} (the default)" if isinstance(default, int) and \
+                default >= low else f"{section}.{name}={low}"
+            raise ConfigError(f"{section}.{name} must be >= {low}, got {getattr(values, name)}. Fix: {example}, or "
+                              f"any integer >= {low}")
 
 
 def _check_schedule(section: str, o) -> None:
@@ -766,7 +777,7 @@ def _check_schedule(section: str, o) -> None:
         raise ConfigError(f"{section}.min_lr={o.min_lr} must be in [0, {section}.lr={o.lr}]. Fix: e.g. "
                           f"{section}.min_lr=0")
     if o.warmup_steps < 0:
-        raise ConfigError(f"{section}.warmup_steps={o.warmup_steps} must be >= 0")
+        raise ConfigError(f"{section}.warmup_steps={o.warmup_steps} must be >= 0. Fix: e.g. {section}.warmup_steps=0")
     if o.weight_decay < 0:
         raise ConfigError(f"{section}.weight_decay={o.weight_decay} must be >= 0. Fix: e.g. 0.0 or 0.01")
 
@@ -779,14 +790,15 @@ def model_shape_hint(hint: dict) -> ModelShape:
     valid = [f.name for f in fields(ModelShape)]
     unknown = sorted(set(hint) - set(valid))
     if unknown:
-        raise ConfigError(f"model.shape has unknown key(s) {unknown}; valid keys: {valid}")
+        raise ConfigError(f"model.shape has unknown key(s) {unknown}; valid keys: {valid}. Fix: rename or remove them")
     missing = [k for k in _SHAPE_REQUIRED if k not in hint]
     if missing:
         raise ConfigError(f"model.shape needs {missing}. Fix: copy them from the model's config.json "
                           "(num_hidden_layers, num_attention_heads, intermediate_size)")
     for key, value in hint.items():
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"model.shape.{key} must be a positive integer, got {value!r}")
+            raise ConfigError(f"model.shape.{key} must be a positive integer, got {value!r}. Fix: copy it from the "
+                              "model's config.json")
     values = dict(hint)
     if values.get("num_key_value_heads") is None:
         values["num_key_value_heads"] = values["num_attention_heads"]  # no GQA: as many KV heads as heads
