@@ -107,6 +107,14 @@ class EngineFleet:
     def resume_memory(self) -> None:
         self._each_client("resume_memory")
 
+    def flush_prefix_cache(self) -> None:
+        """Empty the policy engines' prefix caches (rank 0), as every weight update does: a held-out evaluation
+        between two steps then leaves the engines as the step's sync left them, so evaluating more often never
+        changes what later steps sample (the prefix KV they reuse is computed by their own requests)."""
+        if self.rank == 0:
+            for client in self.clients:
+                client.flush_cache()
+
     def _each_client(self, method: str) -> None:
         if self.rank == 0 and platform.on_gpu() and not self.spec.engine.urls:
             for client in self.clients:

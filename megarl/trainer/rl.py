@@ -269,6 +269,8 @@ class RLTrainer:
             metrics = self.step_once(step)
             if cfg.rl.eval_every and step % cfg.rl.eval_every == 0 and step < cfg.rl.steps:
                 metrics.update(self.evaluate(step))
+                if not cfg.rl.max_staleness:  # (asynchronous: the producer's requests are in flight; no flush)
+                    self.fleet.flush_prefix_cache()
             self.step = step
             if self.log is not None:
                 self.log.log(step, metrics, show=("reward/mean", "eval/pass_at_1", "loss"))
