@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 from typing import Protocol
 
@@ -59,6 +60,17 @@ def exact_match(response: str, answer: str | None, **_) -> float:
     return float(normalise_answer(response) == normalise_answer(str(answer)))
 
 
+class _WeTimeMathVerify(logging.Filter):
+    """math-verify warns once per process that its timeouts are off; here the reward pool times each response."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_WeTimeMathVerify())
+
+
 @register_reward("math")
 def math_reward(response: str, answer: str | None, **_) -> float:
     """1.0 when math-verify finds the response's final answer equivalent to the reference answer."""
@@ -66,11 +78,14 @@ def math_reward(response: str, answer: str | None, **_) -> float:
 
     if answer is None:
         raise ValueError("reward math needs an answer for every prompt (data.answer_key)")
-    gold = parse(answer if "$" in answer or "\\" in answer else f"${answer}$")
-    pred = parse(response)
+    # No math-verify timeouts: its signal alarms would also time its first call's lazy set-up (5 s measured on a
+    # loaded 2-core machine), scoring a correct answer 0. The reward pool already kills a response that runs past
+    # reward.timeout_s (megarl.rewards.pool).
+    gold = parse(answer if "$" in answer or "\\" in answer else f"${answer}$", parsing_timeout=None)
+    pred = parse(response, parsing_timeout=None)
     if not gold or not pred:
         return 0.0
-    return float(verify(gold, pred))
+    return float(verify(gold, pred, timeout_seconds=None))
 
 
 def resolve_reward(name: str, field: str = "reward.name") -> RewardFn:

@@ -12,6 +12,16 @@ def test_math_reward_checks_equivalence():
 
 
 @pytest.mark.unit
+def test_math_reward_runs_without_math_verifys_own_timeouts():
+    """math-verify's signal-alarm timeouts also timed its first call's lazy set-up (a correct answer scored 0 on a
+    loaded machine) and refuse to run off the main thread; the reward pool times responses instead."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(math_reward, "so x = \\boxed{\\frac{3}{4}}", "0.75").result() == 1.0
+
+
+@pytest.mark.unit
 def test_exact_match_normalises():
     assert exact_match(" 042 ", "42") == 1.0 and exact_match("Paris.", "paris") == 1.0
     assert exact_match("41", "42") == 0.0
@@ -99,13 +109,11 @@ def test_a_rank_forked_after_the_parent_used_a_pool_scores_with_its_own():
 
 @pytest.mark.unit
 def test_hung_reward_is_killed_and_the_worker_keeps_scoring():
-    import time
-
     pool = RewardPool("reward_fns:hangs_on_hang", workers=1, timeout_s=1.0)
     try:
-        start = time.monotonic()
+        # the hang was cut at its own timeout and the worker went on: a hang waited out would reach the pool's
+        # backstop, which scores the whole chunk 0
         assert pool.score([("ok", None), ("hang", None), ("ok", None)]) == [1.0, 0.0, 1.0]
-        assert time.monotonic() - start < 10  # the hang was cut at ~1 s, not waited out
         assert pool.errors and "timed out (> 1 s per response)" in pool.errors[0]
         assert pool.take_errors() == 1
         assert pool.score([("ok", None)]) == [1.0]  # the worker is still healthy
