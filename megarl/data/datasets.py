@@ -34,7 +34,8 @@ def read_records(path: str, limit: int | None = None) -> list[tuple[str, dict]]:
     if os.path.isdir(path):
         return _read_folder(path, limit)
     if not os.path.isfile(path):
-        raise DataError(f"dataset file {path!r} does not exist")
+        raise DataError(f"dataset file {path!r} does not exist. Fix: point the field at a JSONL / Parquet file or a "
+                        "dataset folder (the preset's header names the command that writes its data)")
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
