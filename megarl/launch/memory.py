@@ -230,7 +230,11 @@ def fit_verdict(stages: list[StageMemory], engine: Optional[EngineMemory], place
             f"({'1 - mem_fraction_static ' + str(fraction) if fraction else 'beside its estimate'})",)
         load = GpuLoad(f"trainer + engine GPU{where}", _largest_first(trainer + engine_terms),
                        engine_problems + trainer_problems)
-        return Verdict(gpu_bytes, (load,), fixes + (_trainer_fixes(fraction) if trainer_problems else ()))
+        if engine_problems and trainer_problems:  # no fraction helps both: the engine needs GPUs of its own
+            fixes = ("use rollout.placement=disaggregated (engines on nodes of their own)", _spread())
+        elif trainer_problems:
+            fixes = _trainer_fixes(fraction)
+        return Verdict(gpu_bytes, (load,), fixes)
     loads = (_load(f"trainer GPU{where}", trainer, gpu_bytes, ()),
              _load("engine GPU", engine_terms, gpu_bytes, engine_problems))
     return Verdict(gpu_bytes, loads, fixes + (_trainer_fixes(None) if loads[0].problems else ()))
@@ -265,11 +269,14 @@ def _engine_fixes(fraction: Optional[float]) -> tuple[str, ...]:
     return (f"{raise_it} or rollout.engine.tp_size (an engine stays on one node)",)
 
 
+def _spread() -> str:
+    return "spread the trainer over more GPUs (--nnodes with a larger parallel.ep / dp, or parallel.pp)"
+
+
 def _trainer_fixes(fraction: Optional[float]) -> tuple[str, ...]:
-    spread = "spread the trainer over more GPUs (--nnodes with a larger parallel.ep / dp, or parallel.pp)"
     if fraction is None:
-        return (spread,)
-    return (f"lower rollout.engine.mem_fraction_static, use rollout.placement=disaggregated, or {spread}",)
+        return (_spread(),)
+    return (f"lower rollout.engine.mem_fraction_static, use rollout.placement=disaggregated, or {_spread()}",)
 
 
 def format_verdict(v: Verdict) -> list[str]:
@@ -333,7 +340,7 @@ def format_memory(stages: list[StageMemory], engine: Optional[EngineMemory], siz
                          f"({int(tokens):,} tokens)")
         worst = max(stages, key=lambda x: x.total)
         if placement == "colocated":
-            claimed = engine.total if share is None else share
+            claimed = engine.total if share is None else max(share, engine.weights)  # the weights at least
             lines.append(f"  colocated: while the engine generates, the trainer's state stays in memory (megarl "
                          f"offloads none of it): up to {_gb(worst.total + claimed)} per {unit}")
     return lines
