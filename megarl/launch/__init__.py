@@ -74,6 +74,8 @@ def check_world(cfg, command: str, nnodes: int, gpus_per_node: int, source: str,
     """Raise a TopologyError naming --nnodes/--gpus-per-node when the layout cannot run on the planned machine(s)
     (`source`): the flags are the fewest nodes of this machine's GPUs (or DEFAULT_GPUS_PER_NODE) that it runs on."""
     p = cfg.parallel
+    if min(p.tp, p.pp, p.cp, p.ep, p.expert_tp) < 1:  # a bad size: the plan's validation names the field
+        return
     needed = math.lcm(p.tp * p.pp * p.cp, p.expert_tp * p.ep * p.pp)  # trainer ranks: dp and expert-dp of 1
     engine_nodes = cfg.rollout.engine.nodes if cfg.rollout.placement == "disaggregated" and \
         command not in NO_ENGINE_COMMANDS else 0
