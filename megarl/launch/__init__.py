@@ -1,6 +1,6 @@
 """Launching at scale: the topology a config gets on N nodes x G GPUs (rank groups, trainer and SGLang placement, the
-command each node runs), printed by `megarl train|run|sft|dpo|eval CONFIG --dry-run` without starting anything, with a per-GPU verdict
-(fits / does not fit --gpu-memory-gb).
+command each node runs), printed by `megarl train|run|sft|dpo|eval CONFIG --dry-run` without starting anything, with
+a per-GPU verdict (fits / does not fit --gpu-memory-gb).
 
     megarl train configs/qwen3_30b_a3b.yaml --dry-run --nnodes 1 --gpus-per-node 8
 """

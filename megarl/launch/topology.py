@@ -383,7 +383,8 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
                     stage_layers=stage_layers, pipeline_split=split, device=device, memory=memory,
                     engine_memory=engine_mem, memory_missing=missing,
                     distributed_optimizer=cfg.optim.distributed_optimizer, pool_servers=tuple(pool_servers),
-                    pool_urls={name: list(pool.urls) for name, pool in model_pools(fleet) if pool.urls and with_engines},
+                    pool_urls={name: list(pool.urls) for name, pool in model_pools(fleet)
+                               if pool.urls and with_engines},
                     verdict=verdict, engine_fraction=fraction, engine_share=share,
                     placeholder_hosts=placeholder_hosts)
 

@@ -192,7 +192,7 @@ def test_cli_dry_run_prints_commands_without_distributed(monkeypatch, capsys):
 
     monkeypatch.setattr(dist, "init_process_group", refuse)
     code = cli.main(["train", "configs/qwen3_30b_a3b.yaml", "--dry-run", "--nnodes", "1", "--gpus-per-node", "8",
-                     "--gpu-memory-gb", "141"])  # the preset's H200s: it fits
+                     "--gpu-memory-gb", "141"])  # the preset's H200s
     out = capsys.readouterr().out
     assert code == 0 and not dist.is_initialized()
     assert "megarl-torchrun --nnodes 1 --nproc-per-node 8 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint node0:29500 " \
