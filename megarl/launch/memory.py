@@ -16,6 +16,11 @@ gradients 4 (fp32 main_grad: grad_reduce_in_fp32); Adam 12 with bf16 weights (fp
 fp32, divided over dp x cp (dense parameters) and expert-dp (routed experts) with optim.distributed_optimizer.
 Activations, communication buffers and the CUDA context come on top and are not estimated.
 
+The verdict (fit_verdict) checks the fullest GPU against --gpu-memory-gb. SGLang claims mem_fraction_static of the
+GPU for its weights and KV cache when it starts (less when rollout.engine.max_total_tokens caps the cache) and keeps
+it while it generates; with colocated engines the trainer's state stays on the same GPU (megarl offloads none of it),
+so the trainer must fit in the rest. Without a fraction the engine's share is the estimate below (weights + KV cache).
+
 The engine: every weight split over the engine's tp (SGLang shards attention, MLPs and experts over its tp group) in
 its dtype; the KV cache per token is 2 x layers x ceil(KV heads / tp) x head_dim values (GQA) or layers x
 (kv_lora_rank + qk_rope_head_dim) values on every rank (MLA keeps one compressed latent per token, not split), for
@@ -168,6 +173,131 @@ def engine_memory(s: ModelShape, tp: int, dtype: str, max_total_tokens: Optional
                         kv_per_token=kv_bytes_per_token(s, tp, dtype), tokens=tokens, tokens_from=source)
 
 
+@dataclass(frozen=True)
+class GpuLoad:
+    """What one GPU holds at the busiest moment, and whether it fits."""
+    name: str  # "trainer GPU", "engine GPU", "trainer + engine GPU"
+    terms: tuple[tuple[str, float], ...]  # (what, bytes), largest first
+    problems: tuple[str, ...]  # why it does not fit; empty when it fits
+
+    @property
+    def total(self) -> float:
+        return sum(b for _, b in self.terms)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    gpu_bytes: float
+    loads: tuple[GpuLoad, ...]
+    fixes: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        return not any(load.problems for load in self.loads)
+
+
+def engine_share(engine: EngineMemory, fraction: Optional[float], max_total_tokens: Optional[int],
+                 gpu_bytes: float) -> float:
+    """The bytes the engine claims on each of its GPUs: its static fraction of the GPU (SGLang sizes the KV cache to
+    fill it, or to max_total_tokens when that needs less); without a fraction, the estimate (weights + KV cache)."""
+    if not fraction:
+        return engine.total
+    share = fraction * gpu_bytes
+    if max_total_tokens:
+        share = min(share, engine.weights + engine.kv_per_token * max_total_tokens)
+    return share
+
+
+def fit_verdict(stages: list[StageMemory], engine: Optional[EngineMemory], placement: str, gpu_bytes: float,
+                fraction: Optional[float], max_total_tokens: Optional[int], sequence_tokens: int) -> Verdict:
+    """Whether the fullest trainer GPU and the engine's GPUs fit `gpu_bytes`. fraction: the engine's
+    --mem-fraction-static (None: unset); sequence_tokens: one sequence at full length (prompt + new tokens), the
+    least KV cache an engine can work with."""
+    worst = max(stages, key=lambda st: st.total)
+    where = f" (pp rank {worst.pp_rank})" if len(stages) > 1 else ""
+    trainer = (("optimizer", worst.optimizer), ("gradients", worst.gradients), ("weights", worst.weights))
+    if engine is None:  # sft / dpo: the trainer alone
+        return Verdict(gpu_bytes, (_load(f"trainer GPU{where}", trainer, gpu_bytes, ()),), _trainer_fixes(None))
+    share = engine_share(engine, fraction, max_total_tokens, gpu_bytes)
+    cache = share - engine.weights
+    engine_terms = (("engine weights", engine.weights), ("KV cache", max(cache, 0.0)))
+    engine_problems = _engine_problems(engine, fraction, share, cache, sequence_tokens)
+    fixes = _engine_fixes(fraction) if engine_problems else ()
+    if placement == "colocated":  # the engine's share and the trainer's state on the same GPU
+        room = gpu_bytes - share
+        trainer_problems = () if worst.total <= room else (
+            f"the trainer's {_gb(worst.total)} exceed the {_gb(room)} the engine leaves "
+            f"({'1 - mem_fraction_static ' + str(fraction) if fraction else 'beside its estimate'})",)
+        load = GpuLoad(f"trainer + engine GPU{where}", _largest_first(trainer + engine_terms),
+                       engine_problems + trainer_problems)
+        if engine_problems and trainer_problems:  # no fraction helps both: the engine needs GPUs of its own
+            fixes = ("use rollout.placement=disaggregated (engines on nodes of their own)", _spread())
+        elif trainer_problems:
+            fixes = _trainer_fixes(fraction)
+        return Verdict(gpu_bytes, (load,), fixes)
+    loads = (_load(f"trainer GPU{where}", trainer, gpu_bytes, ()),
+             _load("engine GPU", engine_terms, gpu_bytes, engine_problems))
+    return Verdict(gpu_bytes, loads, fixes + (_trainer_fixes(None) if loads[0].problems else ()))
+
+
+def _largest_first(terms) -> tuple:
+    return tuple(sorted(terms, key=lambda t: -t[1]))
+
+
+def _load(name: str, terms, gpu_bytes: float, problems: tuple) -> GpuLoad:
+    terms = _largest_first(terms)
+    total = sum(b for _, b in terms)
+    over = (f"{_gb(total)} > {_gb(gpu_bytes)}",) if total > gpu_bytes else ()
+    return GpuLoad(name, terms, over + problems)
+
+
+def _engine_problems(engine: EngineMemory, fraction: Optional[float], share: float, cache: float,
+                     sequence_tokens: int) -> tuple[str, ...]:
+    """What keeps the engine from starting inside its share: weights larger than the share, or no room for one
+    sequence's KV cache."""
+    if engine.weights > share:
+        what = f"its static share (mem_fraction_static {fraction})" if fraction else "its share"
+        return (f"engine weights {_gb(engine.weights)} exceed {what} {_gb(share)}",)
+    if cache < engine.kv_per_token * sequence_tokens:
+        return (f"the KV cache left beside the engine weights ({_gb(cache)}) holds fewer than one sequence's "
+                f"{sequence_tokens:,} tokens",)
+    return ()
+
+
+def _engine_fixes(fraction: Optional[float]) -> tuple[str, ...]:
+    raise_it = "raise rollout.engine.mem_fraction_static" if fraction else "set rollout.engine.mem_fraction_static"
+    return (f"{raise_it} or rollout.engine.tp_size (an engine stays on one node)",)
+
+
+def _spread() -> str:
+    return "spread the trainer over more GPUs (--nnodes with a larger parallel.ep / dp, or parallel.pp)"
+
+
+def _trainer_fixes(fraction: Optional[float]) -> tuple[str, ...]:
+    if fraction is None:
+        return (_spread(),)
+    return (f"lower rollout.engine.mem_fraction_static, use rollout.placement=disaggregated, or {_spread()}",)
+
+
+def format_verdict(v: Verdict) -> list[str]:
+    """The dry run's verdict lines: per GPU kind, fits or not, its terms largest first."""
+    lines = [f"verdict   per GPU of {_gb(v.gpu_bytes)} (--gpu-memory-gb): {'fits' if v.fits else 'does not fit'}"]
+    for load in v.loads:
+        terms = ", ".join(f"{name} {_gb(b)}" for name, b in load.terms)
+        state = "fits" if not load.problems else "does not fit: " + "; ".join(load.problems)
+        lines.append(f"  {load.name}: {_gb(load.total)} ({terms}): {state}")
+    return lines
+
+
+def verdict_error(v: Verdict) -> str:
+    """The one line a layout that does not fit ends with."""
+    worst = next(load for load in v.loads if load.problems)
+    terms = ", ".join(f"{name} {_gb(b)}" for name, b in worst.terms[:3])
+    return (f"the layout does not fit {_gb(v.gpu_bytes)} per GPU (--gpu-memory-gb): {worst.name} needs "
+            f"{_gb(worst.total)} ({terms}): {'; '.join(worst.problems)}. Fix: {'; or '.join(v.fixes)}, or GPUs with "
+            "more memory (--gpu-memory-gb)")
+
+
 def missing_fields(s: ModelShape) -> list[str]:
     """The shape fields the estimate needs and `s` lacks."""
     need = ["hidden_size", "vocab_size"]
@@ -177,8 +307,10 @@ def missing_fields(s: ModelShape) -> list[str]:
 
 
 def format_memory(stages: list[StageMemory], engine: Optional[EngineMemory], sizes: dict, dtype: str,
-                  distributed_optimizer: bool, placement: str, verbose: bool = False, unit: str = "GPU") -> list[str]:
-    """The dry run's memory lines; unit: what one trainer rank runs on ("GPU", or "process" on CPU)."""
+                  distributed_optimizer: bool, placement: str, verbose: bool = False, unit: str = "GPU",
+                  fraction: Optional[float] = None, share: Optional[float] = None) -> list[str]:
+    """The dry run's memory lines; unit: what one trainer rank runs on ("GPU", or "process" on CPU); fraction and
+    share: the engine's mem_fraction_static and the bytes it claims per GPU (engine_share), when planned on GPUs."""
     shards = (f"sharded over dp x cp {sizes['dp'] * sizes['cp']} (dense) / expert-dp {sizes['expert-dp']} (experts)"
               if distributed_optimizer else "not sharded (optim.distributed_optimizer: false)")
     adam = "fp32 master + 2 moments" if dtype == "bfloat16" else "2 fp32 moments"
@@ -201,10 +333,16 @@ def format_memory(stages: list[StageMemory], engine: Optional[EngineMemory], siz
         lines.append(f"  engine (SGLang tp {engine.tp}, {engine.dtype}): weights {_gb(engine.weights)} + KV cache "
                      f"{engine.kv_per_token / 1e3:.1f} kB/token x {engine.tokens:,} tokens ({engine.tokens_from}) = "
                      f"{_gb(engine.kv_cache)}; total {_gb(engine.total)}")
+        if fraction and share is not None:  # what SGLang actually claims: its static fraction, filled by KV cache
+            tokens = max(share - engine.weights, 0) / engine.kv_per_token
+            lines.append(f"  engine share: mem_fraction_static {fraction} (--mem-fraction-static) claims "
+                         f"{_gb(share)} per {unit}: weights + a KV cache of {_gb(max(share - engine.weights, 0))} "
+                         f"({int(tokens):,} tokens)")
         worst = max(stages, key=lambda x: x.total)
         if placement == "colocated":
+            claimed = engine.total if share is None else max(share, engine.weights)  # the weights at least
             lines.append(f"  colocated: while the engine generates, the trainer's state stays in memory (megarl "
-                         f"offloads none of it): up to {_gb(worst.total + engine.total)} per {unit}")
+                         f"offloads none of it): up to {_gb(worst.total + claimed)} per {unit}")
     return lines
 
 

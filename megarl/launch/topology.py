@@ -30,8 +30,11 @@ from ..parallel import ORDER, ModelShape, ParallelConfig, ParallelConfigError
 from ..parallel.env import expand_hostlist
 
 DEFAULT_GPUS_PER_NODE = 8
+THIS_MACHINE = "this machine"  # launch_defaults' source when nothing but this machine's devices set the plan
 RDZV_PORT = 29500  # torchrun's c10d rendezvous port on the first trainer node (MASTER_PORT overrides it)
 ENGINE_PORT = 30000  # SGLang's default port; engine k on a node listens on ENGINE_PORT + k
+DEFAULT_GPU_MEMORY_GB = 80.0  # the per-GPU verdict's budget when no GPU is visible (an 80 GB A100/H100)
+NO_ENGINE_COMMANDS = ("sft", "dpo")  # train on fixed data: they start no SGLang engine (megarl.trainer.sft / dpo)
 
 
 class TopologyError(ConfigError):
@@ -95,7 +98,7 @@ class Node:
 
 @dataclass(frozen=True)
 class Topology:
-    command: str  # train | run | sft
+    command: str  # train | run | sft | dpo | eval
     config_path: str
     nnodes: int
     gpus_per_node: int
@@ -112,7 +115,8 @@ class Topology:
     shape_source: str
     engine_tp: int
     engines: tuple[Engine, ...]
-    engines_started_by: str  # "trainer" (rank 0 starts them; engine.urls stays empty) or "nodes" (pre-launched)
+    engines_started_by: str  # "trainer" (rank 0 starts them; engine.urls stays empty), "nodes" (pre-launched) or
+    # "none" (sft / dpo start no engine)
     engine_urls: tuple[str, ...]  # what rollout.engine.urls the trainer gets (empty: it starts its own)
     rdzv_endpoint: str
     nodes: tuple[Node, ...]
@@ -132,6 +136,10 @@ class Topology:
     # the other models' engine pools (megarl.rollout.pools): servers rank 0 starts, and pools reached at their urls
     pool_servers: tuple[PoolServer, ...] = ()
     pool_urls: dict = field(default_factory=dict)
+    verdict: Optional[mem.Verdict] = None  # per-GPU fit against gpu_memory_gb; None on CPU or without an estimate
+    engine_fraction: Optional[float] = None  # the --mem-fraction-static the engine command passes SGLang
+    engine_share: Optional[float] = None  # bytes the engine claims per GPU (memory.engine_share); None without verdict
+    placeholder_hosts: bool = False  # hosts are node0, node1, ...: replace them with the real names
 
     def host_of(self, rank: int) -> tuple[int, int]:
         """(node index, local GPU) of a trainer rank."""
@@ -207,22 +215,27 @@ def _shape_from_hf(raw: dict, source: str) -> ModelShape:
 # ------------------------------------------------------------------------------------------------ the plan
 def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", overrides: tuple = (),
          command: str = "train", hosts: Optional[list[str]] = None, rdzv_port: int = RDZV_PORT,
-         launch_source: str = "--nnodes/--gpus-per-node", device: str = "GPU") -> Topology:
+         launch_source: str = "--nnodes/--gpus-per-node", device: str = "GPU",
+         gpu_memory_gb: float = DEFAULT_GPU_MEMORY_GB) -> Topology:
     """Where everything runs for `cfg` (a validated TrainConfig) on `nnodes` x `gpus_per_node` GPUs. `hosts`: the
     node names (default node0, node1, ... placeholders); the rest only shapes the printed commands. device="CPU":
     `gpus_per_node` counts trainer processes, and the engines (rollout.engine.num_engines, started by rank 0) run on
-    the CPU cores, with SGLang's CPU command line."""
+    the CPU cores, with SGLang's CPU command line. gpu_memory_gb: each GPU's memory, for the fit verdict. sft and dpo
+    (NO_ENGINE_COMMANDS) are planned without engines: every node trains."""
     on_gpu = device == "GPU"
     if nnodes < 1:
         raise TopologyError(f"--nnodes must be >= 1, got {nnodes}")
     if gpus_per_node < 1:
         raise TopologyError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
+    placeholder_hosts = not hosts
     hosts = list(hosts) if hosts else [f"node{i}" for i in range(nnodes)]
     if len(hosts) != nnodes:
         raise TopologyError(f"{len(hosts)} host names for --nnodes {nnodes}. Fix: pass --nnodes {len(hosts)}")
-    placement, engine_cfg = cfg.rollout.placement, cfg.rollout.engine
+    with_engines = command not in NO_ENGINE_COMMANDS
+    placement = cfg.rollout.placement if with_engines else "none"
+    engine_cfg = cfg.rollout.engine
     engine_tp = engine_cfg.tp_size
-    if on_gpu and gpus_per_node % engine_tp:
+    if on_gpu and with_engines and gpus_per_node % engine_tp:
         raise TopologyError(
             f"rollout.engine.tp_size={engine_tp} does not divide --gpus-per-node {gpus_per_node}: an SGLang engine "
             f"runs on one node. Fix: set rollout.engine.tp_size to a divisor of {gpus_per_node}")
@@ -236,7 +249,8 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
         trainer_nodes = tuple(range(nnodes - engine_cfg.nodes))
         engine_nodes = tuple(range(nnodes - engine_cfg.nodes, nnodes))
     else:
-        trainer_nodes = engine_nodes = tuple(range(nnodes))
+        trainer_nodes = tuple(range(nnodes))
+        engine_nodes = trainer_nodes if with_engines else ()
     world = len(trainer_nodes) * gpus_per_node
     p = cfg.parallel
     shape, shape_source = model_shape(cfg)
@@ -256,13 +270,13 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
     model_path = cfg.model.path or os.path.join(cfg.run_dir, "base-model")
     # Colocated on one node: the trainer's rank 0 starts the engines itself (megarl.trainer.rl), which is the path
     # that releases engine memory between phases. Anything spanning nodes is pre-launched on each node.
-    started_by = "trainer" if placement == "colocated" and nnodes == 1 else "nodes"
+    started_by = "trainer" if placement == "colocated" and nnodes == 1 else ("nodes" if with_engines else "none")
     # the other models' pools that rank 0 starts take GPUs of its node after the policy engines' (megarl.rollout.pools)
     from ..rollout.pools import model_pools
     from ..trainer.config import fleet_spec
 
     fleet = fleet_spec(cfg)  # the servers the run starts, as megarl.rollout.fleet starts them
-    started_pools = [(name, pool) for name, pool in model_pools(fleet) if pool.model]
+    started_pools = [(name, pool) for name, pool in model_pools(fleet) if pool.model and with_engines]
     pool_gpus = sum(pool.num_engines * pool.tp_size for _, pool in started_pools) if on_gpu else 0
     if pool_gpus and started_by == "trainer":  # the policy engines leave those GPUs to the pools
         per_node = (gpus_per_node - pool_gpus) // engine_tp
@@ -297,7 +311,7 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
         if engine_cfg.urls:
             notes.append("rollout.engine.urls is set: the trainer uses those servers and starts none; the engines "
                          "above are what it would start with urls empty")
-    else:
+    elif started_by == "nodes":
         extra.append("rollout.engine.urls=" + json.dumps(list(urls), separators=(",", ":")))
         if engine_cfg.urls:
             notes.append(f"rollout.engine.urls={list(engine_cfg.urls)} in the config is replaced by the urls above")
@@ -341,18 +355,25 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
     if shape is not None and cfg.model.path and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
         notes.append(f"{cfg.model.path} is not on this machine: the layout was checked against model.shape; the run "
                      "itself reads config.json and checks again")
-    memory = engine_mem = None
+    memory = engine_mem = verdict = share = None
     missing: tuple[str, ...] = ()
+    fraction = engine_fraction(engines[0].command) if engines else None
     if shape is not None:
         missing = tuple(mem.missing_fields(shape))
         if not missing:
             dtype = "bfloat16" if on_gpu else "float32"
             memory = mem.trainer_memory(shape, stage_layers, sizes, cfg.optim.distributed_optimizer, dtype)
-            if command != "sft":
+            if engines:
                 r = cfg.rollout
                 step_tokens = r.prompts_per_step * r.n_samples * (cfg.data.max_prompt_tokens + r.max_new_tokens)
                 engine_mem = mem.engine_memory(shape, engine_tp, engine_cfg.dtype or dtype, engine_cfg.max_total_tokens,
                                                step_tokens, len(engines))
+            if on_gpu:  # a CPU run's processes share the host's memory: no per-GPU verdict
+                share = mem.engine_share(engine_mem, fraction, engine_cfg.max_total_tokens,
+                                         gpu_memory_gb * mem.GB) if engine_mem else None
+                verdict = mem.fit_verdict(memory, engine_mem, placement, gpu_memory_gb * mem.GB, fraction,
+                                          engine_cfg.max_total_tokens,
+                                          cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
     return Topology(command=command, config_path=config_path, nnodes=nnodes, gpus_per_node=gpus_per_node,
                     placement=placement, hosts=tuple(hosts), trainer_nodes=trainer_nodes, engine_nodes=engine_nodes,
                     world_size=world, parallel=p, sizes=sizes, groups=groups, model_path=model_path,
@@ -362,7 +383,23 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
                     stage_layers=stage_layers, pipeline_split=split, device=device, memory=memory,
                     engine_memory=engine_mem, memory_missing=missing,
                     distributed_optimizer=cfg.optim.distributed_optimizer, pool_servers=tuple(pool_servers),
-                    pool_urls={name: list(pool.urls) for name, pool in model_pools(fleet) if pool.urls})
+                    pool_urls={name: list(pool.urls) for name, pool in model_pools(fleet)
+                               if pool.urls and with_engines},
+                    verdict=verdict, engine_fraction=fraction, engine_share=share,
+                    placeholder_hosts=placeholder_hosts)
+
+
+def engine_fraction(command: str) -> Optional[float]:
+    """The --mem-fraction-static an engine command line passes SGLang (the last one wins, as in argparse; it comes
+    from rollout.engine.mem_fraction_static or rollout.engine.extra_args); None when it passes none."""
+    args = shlex.split(command)
+    value = None
+    for i, arg in enumerate(args):
+        if arg == "--mem-fraction-static" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--mem-fraction-static="):
+            value = arg.split("=", 1)[1]
+    return float(value) if value is not None else None
 
 
 def _pool_servers(fleet, started_pools: list, policy_gpus: int, gpus_per_node: int, on_gpu: bool) -> list:
@@ -420,9 +457,9 @@ def launch_defaults(environ: Optional[Mapping[str, str]] = None,
             return nodes, _env_int(env, "SLURM_NTASKS") // nodes, f"Slurm environment ({nodes_key}, SLURM_NTASKS)"
         return nodes, DEFAULT_GPUS_PER_NODE, f"Slurm environment ({nodes_key}); {DEFAULT_GPUS_PER_NODE} GPUs/node"
     if local_gpus == 0:
-        return 1, 1, "this machine: no GPU, 1 CPU process (--gpus-per-node N: N processes)"
+        return 1, 1, f"{THIS_MACHINE}: no GPU, 1 CPU process (--gpus-per-node N: N processes)"
     if local_gpus:
-        return 1, local_gpus, f"this machine: {local_gpus} GPU(s)"
+        return 1, local_gpus, f"{THIS_MACHINE}: {local_gpus} GPU(s)"
     return 1, DEFAULT_GPUS_PER_NODE, f"default (1 node x {DEFAULT_GPUS_PER_NODE} GPUs)"
 
 
@@ -450,8 +487,9 @@ def format_topology(topo: Topology, verbose: bool = False) -> str:
     G = topo.gpus_per_node
     s = topo.sizes
     unit = "GPUs" if topo.device == "GPU" else "CPU process(es)"
+    placement = topo.placement if topo.placement != "none" else f"none ({topo.command} starts no SGLang engine)"
     lines = [f"megarl dry run: {topo.command} {topo.config_path} on {topo.nnodes} node(s) x {G} {unit} "
-             f"[{topo.launch_source}]; placement {topo.placement}"]
+             f"[{topo.launch_source}]; placement {placement}"]
     shape = topo.model_shape
     if shape is not None:
         moe = f", {shape.num_experts} experts (moe ffn {shape.moe_ffn_hidden_size})" if shape.num_experts else ""
@@ -468,7 +506,10 @@ def format_topology(topo: Topology, verbose: bool = False) -> str:
     if topo.memory is not None:
         lines += mem.format_memory(topo.memory, topo.engine_memory, s, "bfloat16" if topo.device == "GPU" else
                                    "float32", topo.distributed_optimizer, topo.placement, verbose,
-                                   unit="GPU" if topo.device == "GPU" else "process")
+                                   unit="GPU" if topo.device == "GPU" else "process", fraction=topo.engine_fraction,
+                                   share=topo.engine_share)
+    if topo.verdict is not None:
+        lines += mem.format_verdict(topo.verdict)
     elif topo.memory_missing:
         lines.append(f"memory    not estimated: the model shape has no {', '.join(topo.memory_missing)} (add them to "
                      "model.shape from the model's config.json)")
@@ -497,7 +538,41 @@ def format_topology(topo: Topology, verbose: bool = False) -> str:
         if node.engines:
             what.append(f"{len(node.engines)} SGLang engine(s) of tp {topo.engine_tp}")
         lines.append(f"  node {node.index} ({node.host}): {node.role}: {', '.join(what)}")
+    if topo.placeholder_hosts:
+        shown = ", ".join(topo.hosts[:3]) + (", ..." if topo.nnodes > 3 else "")
+        lines.append(f"  {shown}: placeholders for the planned machines; put their host names in the commands below "
+                     "(under Slurm, SLURM_JOB_NODELIST names them)")
     lines.append("")
+    lines += _format_engines(topo, verbose) if topo.engines_started_by != "none" else [
+        f"engines   none: `megarl {topo.command}` trains on fixed data and starts no SGLang engine"]
+    lines.append("")
+    wait = "" if topo.engines_started_by == "none" else (
+        ": start the SGLang servers first, in the background or one srun step each; the trainer waits for them up to "
+        "rollout.engine.startup_timeout_s")
+    lines.append(f"commands per node (each a long-running process{wait})")
+    for node in _listed_nodes(topo, verbose, lines, "the same, with their own host and --node-rank"):
+        lines.append(f"  node {node.index} ({node.host}):")
+        for c in node.commands:
+            lines.append(f"    {c}")
+    if topo.engines_started_by == "trainer":
+        lines.append("  started by trainer rank 0 on node 0 (megarl.rollout.server), equivalent to:")
+        for e in topo.engines:
+            lines.append(f"    {e.command}")
+    if topo.pool_servers:
+        lines.append(f"  the pools' servers, started by trainer rank 0 on node {topo.trainer_nodes[0]} "
+                     "(megarl.rollout.pools), equivalent to:")
+        for p in topo.pool_servers:
+            lines.append(f"    {p.command}")
+    if topo.notes:
+        lines.append("")
+        lines.append("notes")
+        lines += [f"  - {n}" for n in topo.notes]
+    return "\n".join(lines)
+
+
+def _format_engines(topo: Topology, verbose: bool) -> list[str]:
+    """The policy engines (where, how started, their urls) and the other models' pools."""
+    lines = []
     if topo.placement == "disaggregated":
         how = "on their own nodes; weights go over reshard.transport=distributed"
     elif topo.device == "CPU":
@@ -526,27 +601,7 @@ def format_topology(topo: Topology, verbose: bool = False) -> str:
                          f"{topo.trainer_nodes[0]} ({gpus})")
         for name, urls in topo.pool_urls.items():
             lines.append(f"  {name}: reached at {json.dumps(urls)}")
-    lines.append("")
-    lines.append("commands per node (each a long-running process: start the SGLang servers first, in the "
-                 "background or one srun step each; the trainer waits for them up to rollout.engine.startup_timeout_s)")
-    for node in _listed_nodes(topo, verbose, lines, "the same, with their own host and --node-rank"):
-        lines.append(f"  node {node.index} ({node.host}):")
-        for c in node.commands:
-            lines.append(f"    {c}")
-    if topo.engines_started_by == "trainer":
-        lines.append("  started by trainer rank 0 on node 0 (megarl.rollout.server), equivalent to:")
-        for e in topo.engines:
-            lines.append(f"    {e.command}")
-    if topo.pool_servers:
-        lines.append(f"  the pools' servers, started by trainer rank 0 on node {topo.trainer_nodes[0]} "
-                     "(megarl.rollout.pools), equivalent to:")
-        for p in topo.pool_servers:
-            lines.append(f"    {p.command}")
-    if topo.notes:
-        lines.append("")
-        lines.append("notes")
-        lines += [f"  - {n}" for n in topo.notes]
-    return "\n".join(lines)
+    return lines
 
 
 def _format_stages(topo: Topology, verbose: bool) -> list[str]:

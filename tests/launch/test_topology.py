@@ -191,7 +191,8 @@ def test_cli_dry_run_prints_commands_without_distributed(monkeypatch, capsys):
         raise AssertionError("a dry run must not start torch.distributed")
 
     monkeypatch.setattr(dist, "init_process_group", refuse)
-    code = cli.main(["train", "configs/qwen3_30b_a3b.yaml", "--dry-run", "--nnodes", "1", "--gpus-per-node", "8"])
+    code = cli.main(["train", "configs/qwen3_30b_a3b.yaml", "--dry-run", "--nnodes", "1", "--gpus-per-node", "8",
+                     "--gpu-memory-gb", "141"])  # the preset's H200s
     out = capsys.readouterr().out
     assert code == 0 and not dist.is_initialized()
     assert "megarl-torchrun --nnodes 1 --nproc-per-node 8 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint node0:29500 " \
@@ -362,10 +363,10 @@ def test_parameter_count_equals_transformers(family):
 def test_dry_run_prints_memory_per_stage_and_engine():
     from megarl.launch import memory
 
-    text = dry_run("train", "configs/glm45_air.yaml", [], nnodes=4, gpus_per_node=8, environ={})
+    text = dry_run("train", "configs/glm45_air.yaml", [], nnodes=4, gpus_per_node=8, environ={}, gpu_memory_gb=141)
     assert "pp rank 0: layers 0-22 (23)" in text and "pp rank 1: layers 23-45 (23)" in text
     cfg = load_train_config("configs/glm45_air.yaml")
-    topo = plan(cfg, 4, 8, config_path="configs/glm45_air.yaml")
+    topo = plan(cfg, 4, 8, config_path="configs/glm45_air.yaml", gpu_memory_gb=141)
     first, last = topo.memory
     assert first.layers == last.layers == 23 and first.expert_params < last.expert_params  # layer 0 is dense
     assert f"trainer pp rank 1 (23 layers): {last.dense_params / 1e9:.2f}B dense + {last.expert_params / 1e9:.2f}B " \
@@ -373,11 +374,14 @@ def test_dry_run_prints_memory_per_stage_and_engine():
     eng = topo.engine_memory
     assert eng.tp == 8 and eng.tokens == -(-64 * 8 * (1024 + 8192) // 4)  # one step over 4 engines, full length
     assert f"engine (SGLang tp 8, bfloat16): weights {eng.weights / 1e9:.1f} GB" in text
-    assert f"up to {(last.total + eng.total) / 1e9:.1f} GB per GPU" in text  # colocated: both at once
+    # colocated: the trainer's state beside the engine's static share (mem_fraction_static 0.4 of 141 GB)
+    assert topo.engine_share == pytest.approx(0.4 * 141e9)
+    assert f"up to {(last.total + topo.engine_share) / 1e9:.1f} GB per GPU" in text
+    assert "verdict   per GPU of 141.0 GB (--gpu-memory-gb): fits" in text
     # the preset's header quotes the estimate
     header = open("configs/glm45_air.yaml").read()
     assert f"{first.total / 1e9:.1f} GB on stage 0 and {last.total / 1e9:.1f} GB on stage 1" in header
-    assert f"up to {(last.total + eng.total) / 1e9:.1f} GB in all" in header
+    assert f"up to {(last.total + topo.engine_share) / 1e9:.1f} GB in all" in header
     # DeepSeek-V3: MLA's KV cache (kv_lora_rank 512 + rope 64 per layer, bf16) and 671B parameters
     ds = plan(load_train_config("configs/deepseek_v3.yaml"), 16, 8)
     assert ds.engine_memory.kv_per_token == 61 * (512 + 64) * 2
