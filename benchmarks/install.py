@@ -5,9 +5,9 @@ own progress lines.
     .venv/bin/python benchmarks/install.py            # one install into a temporary folder (removed afterwards)
     .venv/bin/python benchmarks/install.py --table    # only print the table from the JSON
 
-benchmarks/results/install.json: {"machine", "runs": [{"device", "wall_s", "venv_gb", "downloaded_gb", "stages":
-[[progress line, seconds since start]], "date", "python"}]}. Network speed is part of the wall time: it says where it
-ran, not what every machine gets.
+benchmarks/results/install.json: {"machine", "runs": [{"device", "wall_s", "venv_gb", "stages": [[progress line,
+seconds since start]], "package_sources", "date", "python"}]}. Where the wheels came from (pip's configured indexes and
+find-links: a local wheel mirror makes the install faster than one that downloads) is recorded with the time.
 """
 from __future__ import annotations
 
@@ -42,6 +42,12 @@ def folder_bytes(path: str) -> int:
     return total
 
 
+def package_sources() -> list[str]:
+    """pip's configured index / find-links settings (from `pip config list` and the environment)."""
+    out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if any(k in line for k in ("index-url", "find-links"))]
+
+
 def install_once(device: str) -> dict:
     """One first install into a temporary venv with its own empty pip cache; the record."""
     work = tempfile.mkdtemp(prefix="megarl-install-bench-")
@@ -55,18 +61,18 @@ def install_once(device: str) -> dict:
             raise SystemExit(f"install.sh failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
         stages = [[m.group(3), int(m.group(4))] for m in map(PROGRESS.match, proc.stdout.splitlines()) if m]
         return {"device": device, "wall_s": round(wall, 1), "venv_gb": round(folder_bytes(venv) / 1e9, 2),
-                "downloaded_gb": round(folder_bytes(cache) / 1e9, 2), "stages": stages,
+                "stages": stages, "package_sources": package_sources(),
                 "date": datetime.date.today().isoformat(), "python": sys.version.split()[0]}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def table(results: dict) -> str:
-    rows = ["| device | first install | virtual environment | downloaded | machine | date |", "|---|---|---|---|---|---|"]
+    rows = ["| device | first install | virtual environment | machine | date |", "|---|---|---|---|---|"]
     m = results["machine"]
     for r in results["runs"]:
-        rows.append(f"| {r['device']} | {r['wall_s']:.0f} s | {r['venv_gb']:.1f} GB | {r['downloaded_gb']:.1f} GB | "
-                    f"{m['cpu']}, {m['cores']} cores | {r['date']} |")
+        rows.append(f"| {r['device']} | {r['wall_s']:.0f} s | {r['venv_gb']:.1f} GB | {m['cpu']}, {m['cores']} cores "
+                    f"(load {m['load_average_1min_at_start']} at start) | {r['date']} |")
     return "\n".join(rows)
 
 
