@@ -110,11 +110,13 @@ def moe_config_overrides(cfg, folder) -> dict:
 
 
 def build_policy(folder, optim, total_steps: int, load: str | None = None,
-                 config_overrides: dict | None = None, *, pg) -> Policy:
+                 config_overrides: dict | None = None, lora=None, *, pg) -> Policy:
     """Sharded policy with the HF weights (or a megarl checkpoint's model weights when `load` is set), on the layout
     of pg (megatron-core's ProcessGroupCollection). optim None: weights only, for forward passes (`megarl eval`): no
-    DDP wrapper, optimizer or schedule."""
+    DDP wrapper, optimizer or schedule. lora (megarl.models.lora.LoraConfig): frozen base weights plus adapters (from
+    lora.load, a PEFT folder, if set), added before DDP and the optimizer so those hold the adapters only."""
     from ..models.checkpoint import load_model_checkpoint
+    from ..models.lora import apply_lora, load_peft
 
     bridge = ModelBridge(folder, config_overrides=config_overrides, pg=pg)
     chunks = bridge.build()
@@ -122,6 +124,10 @@ def build_policy(folder, optim, total_steps: int, load: str | None = None,
         load_model_checkpoint(chunks, resolve_checkpoint(load))
     else:
         bridge.load_hf_weights(chunks)
+    if lora is not None:
+        apply_lora(chunks, lora)
+        if lora.load:
+            load_peft(lora.load, chunks, bridge, lora)
     if optim is None:
         return Policy(bridge, chunks, chunks, None, None)
     model = wrap_ddp(chunks, optim.distributed_optimizer, pg=bridge.pg)

@@ -1,0 +1,225 @@
+"""LoRA adapters (megarl.models.lora): TP/PP layouts against TP1, frozen base, no-op init, adapters_disabled, PEFT
+export read by transformers + peft, load_peft, and the one-line refusals."""
+import functools
+import types
+import zlib
+
+import pytest
+import torch
+
+import ranks
+from megarl.testing import run_ranks, tiny_model_dir
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = dict(rank=4, alpha=8.0, target_modules=ALL)
+
+
+def _set_nonzero_b(chunks, bridge, scale=0.1):
+    """B drawn whole per layer (seeded by its canonical name, so every layout draws the same matrix) and sharded like
+    the layer's weight: the adapter then changes the outputs."""
+    from megarl.compat import mbridge as mbridge_compat
+    from megarl.models.lora import ADAPTER, adapted_layers
+
+    tp, tp_rank = bridge.pg.tp.size(), bridge.pg.tp.rank()
+    with torch.no_grad():
+        for chunk, path, layer in adapted_layers(chunks):
+            adapter = getattr(layer, ADAPTER)
+            canonical = bridge.canonical_name(chunk, f"{path}.weight")
+            g = torch.Generator().manual_seed(zlib.crc32(canonical.encode()))
+            full = scale * torch.randn(layer.output_size, adapter.B.shape[1], generator=g)
+            if adapter.column:
+                full = mbridge_compat.split_across_tp(bridge.mb, canonical, full, layer.weight, tp)[tp_rank]
+            adapter.B.copy_(full)
+
+
+def _logits(bridge, chunks):
+    from megarl.models import forward_logits
+
+    return forward_logits(chunks, ranks.input_batches(), vocab_size=bridge.vocab_size, pg=bridge.pg)
+
+
+def lora_layout(path: str, layout: dict) -> dict:
+    """Base logits, LoRA logits at init (B = 0), with a non-zero B, under adapters_disabled; full adapter gradients of
+    the next-token loss; which parameters an Adam step changed."""
+    from megarl.models.lora import LoraConfig, adapters_disabled, apply_lora, full_adapters
+    from megarl.trainer.setup import make_optimizer, wrap_ddp
+
+    _, bridge, chunks = ranks.build(path, **layout)
+    out = {"base": _logits(bridge, chunks)}
+    apply_lora(chunks, LoraConfig(**LORA))
+    out["init"] = _logits(bridge, chunks)
+    _set_nonzero_b(chunks, bridge)
+    out["lora"] = _logits(bridge, chunks)
+    with adapters_disabled(chunks):
+        out["disabled"] = _logits(bridge, chunks)
+    out["after_disabled"] = _logits(bridge, chunks)
+    out["trainable"] = sorted(n for c in chunks for n, p in c.named_parameters() if p.requires_grad)
+    model = wrap_ddp(chunks, pg=bridge.pg)
+    optimizer, _ = make_optimizer(model, 1e-2, 0.0, 0, "constant", 10, pg=bridge.pg)
+    optimizer.zero_grad()
+    out["losses"] = ranks.forward_backward(bridge, model, micro_batches=2)
+    out["grads"] = {f"{c}.{x}": g for c, _, a, b in full_adapters(chunks, bridge, grads=True)
+                    for x, g in (("A", a), ("B", b))}
+    before = {n: p.detach().clone() for c in chunks for n, p in c.named_parameters()}
+    updated, _, _ = optimizer.step()
+    assert updated
+    out["changed"] = sorted(n for c in chunks for n, p in c.named_parameters() if not torch.equal(p, before[n]))
+    out["all_params"] = sorted(before)
+    return out
+
+
+# tp2: sequence parallelism on (mbridge's default at tp > 1); tp2nosp: the replicated-activation path
+LAYOUTS = {"tp1": ({}, 1), "tp2": ({"tp": 2}, 2), "tp2nosp": ({"tp": 2, "sequence_parallel": False}, 2),
+           "pp2": ({"pp": 2}, 2)}
+
+
+@functools.cache
+def _run(family, name):
+    layout, world = LAYOUTS[name]
+    return run_ranks(world, lora_layout, tiny_model_dir(family), layout)
+
+
+def _last_stage(results, key):
+    values = [r[key] for r in results if r[key] is not None]
+    assert values
+    return values[0]
+
+
+def _max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_lora_layout(family, name):
+    results = _run(family, name)
+    base, init, lora = (_last_stage(results, k) for k in ("base", "init", "lora"))
+    # B = 0 at init: the adapted model is the base model, exactly
+    assert _max_diff(init, base) == 0.0
+    # a non-zero B matters, adapters_disabled gives the base back and re-enables on exit
+    assert _max_diff(lora, base) > 1e-2
+    assert _max_diff(_last_stage(results, "disabled"), base) == 0.0
+    assert _max_diff(_last_stage(results, "after_disabled"), lora) == 0.0
+    # only adapter parameters train, and the optimizer step changes exactly those
+    for r in results:
+        adapters = sorted(n for n in r["all_params"] if ".lora_adapter." in n)
+        assert adapters and r["trainable"] == adapters
+        assert r["changed"] == adapters
+    if name == "tp1":
+        return
+    (reference,) = _run(family, "tp1")
+    assert _max_diff(lora, reference["lora"]) < 1e-5
+    grads = {k: v for r in results for k, v in r["grads"].items()}
+    assert sorted(grads) == sorted(reference["grads"])
+    for key, ref in reference["grads"].items():
+        assert ref.abs().max() > 0, f"reference grad of {key} is zero: the check would be vacuous"
+        assert (grads[key] - ref).abs().max().item() < 1e-5, key
+    losses = next(r["losses"] for r in results if r["losses"])
+    assert torch.allclose(torch.stack(losses), torch.stack(reference["losses"]), atol=1e-5)
+
+
+def lora_export(path: str, layout: dict, folder: str) -> dict:
+    """Export a trained-looking adapter as PEFT, read it back into fresh adapters (load_peft); logits of both, and
+    the merged HF weights export_hf_weights gives (what the rollout engine receives)."""
+    from megarl.models.lora import LoraConfig, apply_lora, export_peft, load_peft, read_peft_config
+
+    cfg = LoraConfig(**LORA)
+    _, bridge, chunks = ranks.build(path, **layout)
+    apply_lora(chunks, cfg)
+    _set_nonzero_b(chunks, bridge)
+    with torch.no_grad():  # A away from its init too, so load_peft must really copy it
+        for c in chunks:
+            for n, p in c.named_parameters():
+                if n.endswith(".lora_adapter.A"):
+                    p.mul_(1.5)
+    export_peft(chunks, bridge, cfg, folder)
+    out = {"logits": _logits(bridge, chunks), "merged": dict(bridge.export_hf_weights(chunks))}
+    fresh = bridge.build()
+    bridge.load_hf_weights(fresh)
+    apply_lora(fresh, read_peft_config(folder))
+    load_peft(folder, fresh, bridge, cfg)
+    out["reloaded"] = _logits(bridge, fresh)
+    return out
+
+
+@functools.cache
+def _hf_peft(path, folder):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, folder).eval()
+    with torch.no_grad():
+        logits = [model(batch).logits for batch in ranks.input_batches()]
+    merged = {k: v.clone() for k, v in model.merge_and_unload().state_dict().items()}
+    return logits, merged
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_peft_export_matches_transformers_peft(family, tmp_path):
+    from safetensors.torch import load_file
+
+    path, folder = tiny_model_dir(family), str(tmp_path / "adapter")
+    results = run_ranks(2, lora_export, path, {"tp": 2}, folder)
+    keys = sorted(load_file(f"{folder}/adapter_model.safetensors"))
+    # unfused: one lora_A / lora_B per HF projection and layer (4 layers x 7 projections)
+    assert len(keys) == 4 * 7 * 2 and "base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight" in keys
+    ref_logits, ref_merged = _hf_peft(path, folder)
+    ours = results[0]["logits"]
+    assert ref_logits[0].abs().max() > 1.0
+    assert _max_diff(ours, ref_logits) < 1e-4
+    assert _max_diff(results[0]["reloaded"], ours) == 0.0  # load_peft restores the exported adapter exactly
+    merged = {k: v for r in results for k, v in r["merged"].items()}
+    base = load_file(f"{path}/model.safetensors")
+    assert sorted(merged) == sorted(base)  # no adapter tensor leaks into the HF export
+    assert (merged["model.layers.0.self_attn.k_proj.weight"] - base["model.layers.0.self_attn.k_proj.weight"]
+            ).abs().max() > 1e-3  # the export is merged
+    for key, tensor in merged.items():  # the merged weights the engine gets are PEFT's merge_and_unload
+        assert (tensor - ref_merged[key]).abs().max().item() < 1e-5, key
+
+
+def _config(moe=False, mla=False, gated=True):
+    return types.SimpleNamespace(num_moe_experts=4 if moe else None, multi_latent_attention=mla,
+                                 gated_linear_unit=gated)
+
+
+@pytest.mark.unit
+def test_bad_target_name_is_one_line_listing_valid_names():
+    from megarl.models.lora import LoraConfig, LoraConfigError, megatron_targets
+
+    with pytest.raises(LoraConfigError) as e:
+        megatron_targets(LoraConfig(target_modules=["q_proj", "k_proj", "v_proj", "qkv"]), _config())
+    assert str(e.value) == ("model.lora.target_modules: qkv not a LoRA target of this model; valid names: q_proj, "
+                            "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
+    with pytest.raises(LoraConfigError) as e:  # an MoE model: expert MLPs are not targets
+        megatron_targets(LoraConfig(target_modules=["gate_proj", "up_proj"]), _config(moe=True))
+    assert "\n" not in str(e.value) and str(e.value).endswith("valid names: q_proj, k_proj, v_proj, o_proj")
+
+
+@pytest.mark.unit
+def test_fused_targets_come_as_a_group():
+    from megarl.models.lora import LoraConfig, LoraConfigError, megatron_targets
+
+    assert megatron_targets(LoraConfig(target_modules=ALL), _config()) == [
+        "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"]
+    with pytest.raises(LoraConfigError, match=r"^model.lora.target_modules: q_proj, k_proj, v_proj share Megatron's "
+                                              r"fused self_attention.linear_qkv \(one adapter\): name all of them or "
+                                              r"none \(missing k_proj, v_proj\)$"):
+        megatron_targets(LoraConfig(target_modules=["q_proj"]), _config())
+
+
+@pytest.mark.unit
+def test_model_config_lora():
+    from megarl.config import ConfigError, load_config
+    from megarl.models.lora import LoraConfig
+    from megarl.trainer.config import ModelConfig, TrainConfig
+
+    assert ModelConfig().lora is None
+    assert ModelConfig(lora={"rank": 4, "target_modules": ["o_proj"]}).lora == LoraConfig(rank=4,
+                                                                                        target_modules=["o_proj"])
+    cfg = load_config(TrainConfig, None, ["model.lora.rank=16", "model.lora.target_modules=[q_proj,k_proj,v_proj]"])
+    assert cfg.model.lora.rank == 16 and cfg.model.lora.scale == 1.0
+    with pytest.raises(ConfigError, match="model.lora.rank must be an integer >= 1"):
+        load_config(TrainConfig, None, ["model.lora.rank=0"])
