@@ -175,22 +175,30 @@ def _add_adapter_output(layer, args, output):
     return out + adapter(args[0]), bias
 
 
-def _sharded_state_dict_with_adapter(layer):
+def _sharded_state_dict_with_adapter(layer, swiglu: bool):
     """The layer's sharded_state_dict treats every tensor in its state_dict that is not its own weight/bias as
     replicated, which would save one rank's B (or A) shard for all: the adapter's tensors are replaced by ones sharded
-    along the adapter's own split dimension."""
+    along the adapter's own split dimension. swiglu: a gated linear_fc1, whose rows each TP rank holds as [its gate
+    rows; its up rows]; B is saved with the factory Megatron's MLP uses for that weight, so other TP sizes load it."""
     original = layer.sharded_state_dict
 
     def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
-        from megatron.core.utils import make_sharded_tensors_for_checkpoint
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         state = {k: v for k, v in original(prefix, sharded_offsets, metadata).items()
                  if not k.startswith(f"{prefix}{ADAPTER}.")}
         adapter = getattr(layer, ADAPTER)
         axis = {"B": 0} if adapter.column else {"A": 1}
-        state.update(make_sharded_tensors_for_checkpoint(
+        mine = make_sharded_tensors_for_checkpoint(
             adapter.state_dict(prefix="", keep_vars=True), f"{prefix}{ADAPTER}.", axis, sharded_offsets,
-            tp_group=adapter.group, dp_cp_group=metadata["dp_cp_group"]))
+            tp_group=adapter.group, dp_cp_group=metadata["dp_cp_group"])
+        if swiglu:
+            key = f"{prefix}{ADAPTER}.B"
+            mine[key] = apply_swiglu_sharded_factory(mine[key], sharded_offsets,
+                                                     metadata.get("singleton_local_shards", False),
+                                                     tp_group=adapter.group, dp_group=metadata["dp_cp_group"])
+        state.update(mine)
         return state
 
     return sharded_state_dict
@@ -230,7 +238,8 @@ def apply_lora(chunks: list, cfg: LoraConfig) -> list[LoraAdapter]:
                 adapter = LoraAdapter(linear, cfg, torch.Generator().manual_seed(seed))
                 linear.add_module(ADAPTER, adapter)
                 linear.register_forward_hook(_add_adapter_output)
-                linear.sharded_state_dict = _sharded_state_dict_with_adapter(linear)
+                linear.sharded_state_dict = _sharded_state_dict_with_adapter(
+                    linear, swiglu=path == "mlp.linear_fc1" and config.gated_linear_unit)
                 linear.weight.lora_adapter = adapter  # ModelBridge exports the merged weight (merged_weight)
                 adapters.append(adapter)
     return adapters

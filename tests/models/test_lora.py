@@ -223,3 +223,91 @@ def test_model_config_lora():
     assert cfg.model.lora.rank == 16 and cfg.model.lora.scale == 1.0
     with pytest.raises(ConfigError, match="model.lora.rank must be an integer >= 1"):
         load_config(TrainConfig, None, ["model.lora.rank=0"])
+
+
+def _policy(path: str, layout: dict, lora):
+    """build_policy (the trainer's own path) on a fresh layout; lora None: full fine-tuning."""
+    from megarl import parallel
+    from megarl.models import open_model_folder
+    from megarl.trainer.config import OptimConfig
+    from megarl.trainer.setup import build_policy
+
+    folder = open_model_folder(path)
+    groups = parallel.initialize(parallel.ParallelConfig(**layout), folder.shape())
+    return build_policy(folder, OptimConfig(lr=1e-2), 10, lora=lora, pg=groups.mcore)
+
+
+def _memory(policy) -> dict:
+    """Measured after one step: trainable parameters, the optimizer's state tensors and DDP's gradient buffers."""
+    opts = getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])
+    state = sum(t.numel() * t.element_size() for o in opts for s in o.optimizer.state.values()
+                for t in s.values() if torch.is_tensor(t))
+    in_optimizer = sum(p.numel() for o in opts for g in o.optimizer.param_groups for p in g["params"])
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for m in policy.model for b in m.buffers)
+    return {"total_params": sum(p.numel() for c in policy.chunks for p in c.parameters()),
+            "trainable": sum(p.numel() for c in policy.chunks for p in c.parameters() if p.requires_grad),
+            "optimizer_params": in_optimizer, "optimizer_state_bytes": state, "grad_buffer_bytes": grads}
+
+
+def memory_with_and_without_lora(path: str) -> dict:
+    from megarl.models.lora import LoraConfig
+
+    out = {}
+    for name, lora in (("full", None), ("lora", LoraConfig(**LORA))):
+        policy = _policy(path, {}, lora)
+        policy.optimizer.zero_grad()
+        ranks.forward_backward(policy.bridge, policy.model, micro_batches=1)
+        policy.optimizer.step()
+        out[name] = _memory(policy)
+        from megarl.compat.megatron import destroy_model_parallel
+
+        destroy_model_parallel()
+    return out
+
+
+@pytest.mark.multirank
+def test_optimizer_holds_adapters_only():
+    (out,) = run_ranks(1, memory_with_and_without_lora, tiny_model_dir("qwen2"))
+    full, lora = out["full"], out["lora"]
+    print(f"\nLoRA memory (tiny qwen2, rank {LORA['rank']}, all 7 projections): {out}")
+    assert lora["total_params"] == full["total_params"] + lora["trainable"]
+    assert full["optimizer_params"] == full["trainable"] == full["total_params"]
+    assert lora["optimizer_params"] == lora["trainable"] < full["trainable"] / 10
+    # Adam: exp_avg + exp_avg_sq in fp32 per trainable parameter (plus one step counter per tensor)
+    assert 8 * lora["trainable"] <= lora["optimizer_state_bytes"] < 8 * lora["trainable"] + 4096
+    assert lora["grad_buffer_bytes"] == 4 * lora["trainable"]
+
+
+def checkpoint_save(path: str, layout: dict, ckpt_root: str) -> dict:
+    """One LoRA step through build_policy, then a run checkpoint; the full adapters that were saved."""
+    from megarl.models.lora import LoraConfig, full_adapters
+    from megarl.trainer import checkpoint as ck
+
+    policy = _policy(path, layout, LoraConfig(**LORA))
+    _set_nonzero_b(policy.chunks, policy.bridge)
+    policy.optimizer.zero_grad()
+    ranks.forward_backward(policy.bridge, policy.model, micro_batches=1)
+    policy.optimizer.step()
+    ck.save_checkpoint(ckpt_root, 1, policy.chunks, policy.optimizer, policy.scheduler, {})
+    return {c: (a, b) for c, _, a, b in full_adapters(policy.chunks, policy.bridge)}
+
+
+def checkpoint_load(path: str, layout: dict, ckpt_root: str) -> dict:
+    from megarl.models.lora import LoraConfig, full_adapters
+    from megarl.trainer import checkpoint as ck
+
+    policy = _policy(path, layout, LoraConfig(**LORA))
+    ck.load_checkpoint(ck.latest_checkpoint(ckpt_root), policy.chunks, policy.optimizer, policy.scheduler)
+    return {c: (a, b) for c, _, a, b in full_adapters(policy.chunks, policy.bridge)}
+
+
+@pytest.mark.multirank
+def test_checkpoint_reshards_adapters_tp2_to_tp1(tmp_path):
+    """Adapters are saved with their own TP split (B by rows / A by columns), so a TP1 run resumes them whole."""
+    path, root = tiny_model_dir("qwen2"), str(tmp_path / "ckpt")
+    saved = {k: v for r in run_ranks(2, checkpoint_save, path, {"tp": 2}, root) for k, v in r.items()}
+    (loaded,) = run_ranks(1, checkpoint_load, path, {}, root)
+    assert sorted(loaded) == sorted(saved) and len(saved) == 16
+    for key, (a, b) in saved.items():
+        assert torch.equal(loaded[key][0], a) and torch.equal(loaded[key][1], b), key
+        assert b.abs().max() > 0
