@@ -53,6 +53,12 @@ def lora_layout(path: str, layout: dict) -> dict:
     with adapters_disabled(chunks):
         out["disabled"] = _logits(bridge, chunks)
     out["after_disabled"] = _logits(bridge, chunks)
+    try:
+        with adapters_disabled(chunks):
+            raise KeyError("inside the block")
+    except KeyError:
+        pass
+    out["after_error"] = _logits(bridge, chunks)
     out["trainable"] = sorted(n for c in chunks for n, p in c.named_parameters() if p.requires_grad)
     model = wrap_ddp(chunks, pg=bridge.pg)
     optimizer, _ = make_optimizer(model, 1e-2, 0.0, 0, "constant", 10, pg=bridge.pg)
@@ -101,6 +107,7 @@ def test_lora_layout(family, name):
     assert _max_diff(lora, base) > 1e-2
     assert _max_diff(_last_stage(results, "disabled"), base) == 0.0
     assert _max_diff(_last_stage(results, "after_disabled"), lora) == 0.0
+    assert _max_diff(_last_stage(results, "after_error"), lora) == 0.0  # re-enabled when the block raises
     # only adapter parameters train, and the optimizer step changes exactly those
     for r in results:
         adapters = sorted(n for n in r["all_params"] if ".lora_adapter." in n)
@@ -178,6 +185,53 @@ def test_peft_export_matches_transformers_peft(family, tmp_path):
             ).abs().max() > 1e-3  # the export is merged
     for key, tensor in merged.items():  # the merged weights the engine gets are PEFT's merge_and_unload
         assert (tensor - ref_merged[key]).abs().max().item() < 1e-5, key
+
+
+def policy_from_peft(path: str, folder: str) -> dict:
+    """build_policy with model.lora.load = a PEFT folder; then the same folder with k_proj's lora_A changed."""
+    from safetensors.torch import load_file, save_file
+
+    from megarl.models.lora import LoraConfig, LoraConfigError
+
+    policy = _policy(path, {}, LoraConfig(**LORA, load=folder))
+    out = {"logits": _logits(policy.bridge, policy.chunks)}
+    tensors = load_file(f"{folder}/adapter_model.safetensors")
+    tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_A.weight"] += 1.0
+    save_file(tensors, f"{folder}/adapter_model.safetensors")
+    from megarl.compat.megatron import destroy_model_parallel
+
+    destroy_model_parallel()
+    try:
+        _policy(path, {}, LoraConfig(**LORA, load=folder))
+    except LoraConfigError as e:
+        out["refusal"] = str(e)
+    return out
+
+
+@pytest.mark.multirank
+def test_build_policy_starts_from_a_peft_folder(tmp_path):
+    path, folder = tiny_model_dir("qwen2"), str(tmp_path / "adapter")
+    exported = run_ranks(2, lora_export, path, {"tp": 2}, folder)[0]["logits"]
+    (out,) = run_ranks(1, policy_from_peft, path, folder)
+    assert _max_diff(out["logits"], exported) < 1e-5  # TP2's adapter, exported, then loaded at TP1
+    assert out["refusal"] == (f"{folder}: base_model.model.model.layers.1.self_attn.q_proj, "
+                              "base_model.model.model.layers.1.self_attn.k_proj, "
+                              "base_model.model.model.layers.1.self_attn.v_proj have different lora_A; megarl's fused "
+                              "linear_qkv adapter shares one A across them")
+
+
+@pytest.mark.unit
+def test_load_peft_refuses_a_different_adapter_shape(tmp_path):
+    import peft
+
+    from megarl.models.lora import LoraConfig, LoraConfigError, load_peft
+
+    peft.LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"]).save_pretrained(str(tmp_path))
+    with pytest.raises(LoraConfigError) as e:
+        load_peft(str(tmp_path), [], None, LoraConfig(**LORA))
+    assert str(e.value) == (f"model.lora.load={tmp_path}: adapter does not match model.lora (rank: folder 8 vs "
+                            "model.lora 4; target_modules: folder ['k_proj', 'q_proj', 'v_proj'] vs model.lora "
+                            "['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj'])")
 
 
 def _config(moe=False, mla=False, gated=True):
