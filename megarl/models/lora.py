@@ -258,6 +258,13 @@ def merged_weight(param: torch.Tensor) -> torch.Tensor:
     return param + adapter.delta_weight().to(param.dtype)
 
 
+def checkpoint_has_adapters(ckpt_dir: str) -> bool:
+    """Whether a megarl run checkpoint (dist_checkpointing) holds LoRA adapter tensors (read from its metadata)."""
+    from megatron.core import dist_checkpointing
+
+    return any(f".{ADAPTER}." in key for key in dist_checkpointing.load_tensors_metadata(ckpt_dir))
+
+
 @contextlib.contextmanager
 def adapters_disabled(chunks: list):
     """The base model inside the block (e.g. the reference model's log-probs from the policy's own weights)."""

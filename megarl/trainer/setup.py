@@ -116,15 +116,26 @@ def build_policy(folder, optim, total_steps: int, load: str | None = None,
     DDP wrapper, optimizer or schedule. lora (megarl.models.lora.LoraConfig): frozen base weights plus adapters (from
     lora.load, a PEFT folder, if set), added before DDP and the optimizer so those hold the adapters only."""
     from ..models.checkpoint import load_model_checkpoint
-    from ..models.lora import apply_lora, load_peft
+    from ..models.lora import apply_lora, checkpoint_has_adapters, load_peft
 
     bridge = ModelBridge(folder, config_overrides=config_overrides, pg=pg)
     chunks = bridge.build()
+    adapters = False
     if load:
-        load_model_checkpoint(chunks, resolve_checkpoint(load))
+        ckpt = resolve_checkpoint(load)
+        # A checkpoint of a LoRA run holds the adapters next to the frozen weights: they are added first so the load
+        # reads them (a plain checkpoint, e.g. an SFT cold start, gets fresh adapters after). Loading one without
+        # model.lora would silently drop its adapters.
+        if checkpoint_has_adapters(ckpt):
+            if lora is None:
+                raise ConfigError(f"model checkpoint {ckpt} holds LoRA adapters. Fix: set model.lora as in the run "
+                                  "that wrote it")
+            apply_lora(chunks, lora)
+            adapters = True
+        load_model_checkpoint(chunks, ckpt)
     else:
         bridge.load_hf_weights(chunks)
-    if lora is not None:
+    if lora is not None and not adapters:
         apply_lora(chunks, lora)
         if lora.load:
             load_peft(lora.load, chunks, bridge, lora)

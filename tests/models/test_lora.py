@@ -279,7 +279,7 @@ def test_model_config_lora():
         load_config(TrainConfig, None, ["model.lora.rank=0"])
 
 
-def _policy(path: str, layout: dict, lora):
+def _policy(path: str, layout: dict, lora, load=None, optim=True):
     """build_policy (the trainer's own path) on a fresh layout; lora None: full fine-tuning."""
     from megarl import parallel
     from megarl.models import open_model_folder
@@ -288,7 +288,7 @@ def _policy(path: str, layout: dict, lora):
 
     folder = open_model_folder(path)
     groups = parallel.initialize(parallel.ParallelConfig(**layout), folder.shape())
-    return build_policy(folder, OptimConfig(lr=1e-2), 10, lora=lora, pg=groups.mcore)
+    return build_policy(folder, OptimConfig(lr=1e-2) if optim else None, 10, load=load, lora=lora, pg=groups.mcore)
 
 
 def _memory(policy) -> dict:
@@ -355,6 +355,23 @@ def checkpoint_load(path: str, layout: dict, ckpt_root: str) -> dict:
     return {c: (a, b) for c, _, a, b in full_adapters(policy.chunks, policy.bridge)}
 
 
+def checkpoint_as_model_load(path: str, ckpt_root: str) -> dict:
+    """What `megarl eval` does with a run's checkpoint (build_policy(load=...), no optimizer): with model.lora it reads
+    the adapters; without, it refuses (it would evaluate the base model)."""
+    from megarl.compat.megatron import destroy_model_parallel
+    from megarl.config import ConfigError
+    from megarl.models.lora import LoraConfig, full_adapters
+
+    policy = _policy(path, {}, LoraConfig(**LORA), load=ckpt_root, optim=False)
+    out = {"adapters": {c: (a, b) for c, _, a, b in full_adapters(policy.chunks, policy.bridge)}}
+    destroy_model_parallel()
+    try:
+        _policy(path, {}, None, load=ckpt_root, optim=False)
+    except ConfigError as e:
+        out["refusal"] = str(e)
+    return out
+
+
 @pytest.mark.multirank
 def test_checkpoint_reshards_adapters_tp2_to_tp1(tmp_path):
     """Adapters are saved with their own TP split (B by rows / A by columns), so a TP1 run resumes them whole."""
@@ -365,3 +382,32 @@ def test_checkpoint_reshards_adapters_tp2_to_tp1(tmp_path):
     for key, (a, b) in saved.items():
         assert torch.equal(loaded[key][0], a) and torch.equal(loaded[key][1], b), key
         assert b.abs().max() > 0
+    (as_load,) = run_ranks(1, checkpoint_as_model_load, path, root)
+    for key, (a, b) in saved.items():
+        assert torch.equal(as_load["adapters"][key][0], a) and torch.equal(as_load["adapters"][key][1], b), key
+    assert as_load["refusal"].startswith("model checkpoint ") and as_load["refusal"].endswith(
+        "holds LoRA adapters. Fix: set model.lora as in the run that wrote it")
+
+
+def plain_checkpoint_then_lora(path: str, ckpt_root: str) -> dict:
+    """A full fine-tuning checkpoint (an SFT cold start) as model.load of a LoRA run: its weights load, then fresh
+    adapters (B = 0) go on top, so the LoRA policy starts at exactly the checkpoint's outputs."""
+    from megarl.compat.megatron import destroy_model_parallel
+    from megarl.models.lora import LoraConfig
+    from megarl.trainer import checkpoint as ck
+
+    policy = _policy(path, {}, None)
+    ranks.perturb(policy.chunks, seed=3)
+    ck.save_checkpoint(ckpt_root, 1, policy.chunks, policy.optimizer, policy.scheduler, {})
+    full = _logits(policy.bridge, policy.chunks)
+    destroy_model_parallel()
+    lora = _policy(path, {}, LoraConfig(**LORA), load=ckpt_root)
+    return {"full": full, "lora": _logits(lora.bridge, lora.chunks),
+            "trainable": sorted(n for c in lora.chunks for n, p in c.named_parameters() if p.requires_grad)}
+
+
+@pytest.mark.multirank
+def test_plain_checkpoint_gets_fresh_adapters(tmp_path):
+    (out,) = run_ranks(1, plain_checkpoint_then_lora, tiny_model_dir("qwen2"), str(tmp_path / "ckpt"))
+    assert _max_diff(out["lora"], out["full"]) == 0.0
+    assert out["trainable"] and all(".lora_adapter." in n for n in out["trainable"])
