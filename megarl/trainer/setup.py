@@ -164,12 +164,17 @@ def build_critic(bridge: ModelBridge, policy_chunks: list, optim, lr: float, tot
 
 @torch.no_grad()
 def _copy_weights(source: list, target: list, skip: tuple = ()) -> None:
+    """The source's current function into the target: a LoRA-adapted source layer gives its merged weight (the
+    target has no adapters), so a reference or critic made from a policy with trained adapters (a LoRA SFT
+    checkpoint, model.lora.load) starts from that policy, not from its frozen base."""
+    from ..models.lora import merged_weight
+
     for src, dst in zip(source, target):
         values = src.state_dict(keep_vars=True)
         for name, tensor in dst.state_dict(keep_vars=True).items():
             if torch.is_tensor(tensor) and name in values and not any(k in name for k in skip) \
                     and torch.is_tensor(values[name]) and values[name].shape == tensor.shape:
-                tensor.copy_(values[name])
+                tensor.copy_(merged_weight(values[name]))
 
 
 def build_reference(bridge: ModelBridge, policy_chunks: list) -> list:

@@ -411,3 +411,23 @@ def test_plain_checkpoint_gets_fresh_adapters(tmp_path):
     (out,) = run_ranks(1, plain_checkpoint_then_lora, tiny_model_dir("qwen2"), str(tmp_path / "ckpt"))
     assert _max_diff(out["lora"], out["full"]) == 0.0
     assert out["trainable"] and all(".lora_adapter." in n for n in out["trainable"])
+
+
+def reference_of_adapted_policy(path: str) -> dict:
+    """build_reference from a policy whose adapters are trained (non-zero B): the reference is that policy."""
+    from megarl.models.lora import LoraConfig, adapters_disabled
+    from megarl.trainer.setup import build_reference
+
+    policy = _policy(path, {}, LoraConfig(**LORA))
+    _set_nonzero_b(policy.chunks, policy.bridge)
+    ref = build_reference(policy.bridge, policy.chunks)
+    with adapters_disabled(policy.chunks):
+        base = _logits(policy.bridge, policy.chunks)
+    return {"policy": _logits(policy.bridge, policy.chunks), "ref": _logits(policy.bridge, ref), "base": base}
+
+
+@pytest.mark.multirank
+def test_reference_copies_the_adapted_policy():
+    (out,) = run_ranks(1, reference_of_adapted_policy, tiny_model_dir("qwen2"))
+    assert _max_diff(out["ref"], out["policy"]) < 1e-5  # merged weights vs the adapter path: rounding only
+    assert _max_diff(out["ref"], out["base"]) > 1e-2
