@@ -38,7 +38,7 @@ def _logits(bridge, chunks):
     return forward_logits(chunks, ranks.input_batches(), vocab_size=bridge.vocab_size, pg=bridge.pg)
 
 
-def lora_layout(path: str, layout: dict) -> dict:
+def lora_layout(path: str, layout: dict, lora: dict = LORA) -> dict:
     """Base logits, LoRA logits at init (B = 0), with a non-zero B, under adapters_disabled; full adapter gradients of
     the next-token loss; which parameters an Adam step changed."""
     from megarl.models.lora import LoraConfig, adapters_disabled, apply_lora, full_adapters
@@ -46,7 +46,7 @@ def lora_layout(path: str, layout: dict) -> dict:
 
     _, bridge, chunks = ranks.build(path, **layout)
     out = {"base": _logits(bridge, chunks)}
-    apply_lora(chunks, LoraConfig(**LORA))
+    apply_lora(chunks, LoraConfig(**lora))
     out["init"] = _logits(bridge, chunks)
     _set_nonzero_b(chunks, bridge)
     out["lora"] = _logits(bridge, chunks)
@@ -79,10 +79,15 @@ LAYOUTS = {"tp1": ({}, 1), "tp2": ({"tp": 2}, 2), "tp2nosp": ({"tp": 2, "sequenc
            "pp2": ({"pp": 2}, 2)}
 
 
+ATTENTION = dict(LORA, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+MOE_LAYOUTS = {"tp1": ({}, 1), "tp2": ({"tp": 2}, 2), "ep2": ({"ep": 2}, 2)}
+
+
 @functools.cache
 def _run(family, name):
-    layout, world = LAYOUTS[name]
-    return run_ranks(world, lora_layout, tiny_model_dir(family), layout)
+    layout, world = (MOE_LAYOUTS if family == "qwen3_moe" else LAYOUTS)[name]
+    return run_ranks(world, lora_layout, tiny_model_dir(family), layout,
+                     ATTENTION if family == "qwen3_moe" else LORA)
 
 
 def _last_stage(results, key):
@@ -96,8 +101,8 @@ def _max_diff(a, b):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("family,name", [(f, n) for f in ("qwen2", "qwen3") for n in LAYOUTS]
+                         + [("qwen3_moe", n) for n in MOE_LAYOUTS])  # MoE: attention adapters, experts frozen
 def test_lora_layout(family, name):
     results = _run(family, name)
     base, init, lora = (_last_stage(results, k) for k in ("base", "init", "lora"))
