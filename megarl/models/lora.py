@@ -128,19 +128,22 @@ class LoraAdapter(torch.nn.Module):
         self.group = layer.tp_group
         self.sequence_parallel = bool(layer.sequence_parallel)
         self.scale, self.enabled = cfg.scale, True
+        # Dropout on the adapter's input, as PEFT. A column-parallel layer without sequence parallelism sees the same
+        # x on every TP rank, and the masks agree only while the ranks' default RNG streams do (as for Megatron's
+        # hidden dropout); elsewhere each rank drops its own tokens / input columns.
         self.dropout = torch.nn.Dropout(cfg.dropout) if cfg.dropout > 0 else torch.nn.Identity()
         tp, rank = self.group.size(), self.group.rank()
-        dtype = layer.weight.dtype
+        dtype, device = layer.weight.dtype, layer.weight.device
         # PEFT's "gaussian" init (std 1/rank), drawn whole so each TP rank takes its slice of the same matrix
-        a = torch.randn(cfg.rank, layer.input_size, generator=generator) / cfg.rank
+        a = (torch.randn(cfg.rank, layer.input_size, generator=generator) / cfg.rank).to(device, dtype)
         if self.column:
-            self.A = torch.nn.Parameter(a.to(dtype))
-            self.B = torch.nn.Parameter(torch.zeros(layer.output_size // tp, cfg.rank, dtype=dtype))
+            self.A = torch.nn.Parameter(a)
+            self.B = torch.nn.Parameter(torch.zeros(layer.output_size // tp, cfg.rank, dtype=dtype, device=device))
             whole = self.A
             set_tensor_model_parallel_attributes(self.B, True, 0, 1)
         else:
-            self.A = torch.nn.Parameter(a.chunk(tp, dim=1)[rank].contiguous().to(dtype))
-            self.B = torch.nn.Parameter(torch.zeros(layer.output_size, cfg.rank, dtype=dtype))
+            self.A = torch.nn.Parameter(a.chunk(tp, dim=1)[rank].contiguous())
+            self.B = torch.nn.Parameter(torch.zeros(layer.output_size, cfg.rank, dtype=dtype, device=device))
             whole = self.B
             set_tensor_model_parallel_attributes(self.A, True, 1, 1)
         if self.sequence_parallel:  # its gradient comes from this rank's tokens: finalize_model_grads sums it over TP
