@@ -436,3 +436,55 @@ def test_reference_copies_the_adapted_policy():
     (out,) = run_ranks(1, reference_of_adapted_policy, tiny_model_dir("qwen2"))
     assert _max_diff(out["ref"], out["policy"]) < 1e-5  # merged weights vs the adapter path: rounding only
     assert _max_diff(out["ref"], out["base"]) > 1e-2
+
+
+def grads_in_peft_names(path: str, layout: dict, folder: str) -> dict:
+    """Adapter gradients of ranks.forward_backward's loss (2 one-sequence micro-batches), named as PEFT's tensors:
+    a fused layer's A gradient under its group's first projection, its B gradient split into the projections' rows."""
+    from megarl.models.lora import LoraConfig, _peft_prefix, _rows_to_hf, apply_lora, export_peft, full_adapters
+    from megarl.trainer.setup import wrap_ddp
+
+    cfg = LoraConfig(**LORA)
+    _, bridge, chunks = ranks.build(path, **layout)
+    apply_lora(chunks, cfg)
+    _set_nonzero_b(chunks, bridge)
+    export_peft(chunks, bridge, cfg, folder)
+    model = wrap_ddp(chunks, pg=bridge.pg)
+    ranks.forward_backward(bridge, model, micro_batches=2)
+    out = {}
+    for canonical, column, a, b in full_adapters(chunks, bridge, grads=True):
+        names, bs = _rows_to_hf(bridge, canonical, b) if column else ([bridge.hf_names(canonical)[0]], [b])
+        out[f"{_peft_prefix(names[0])}.lora_A.weight"] = a
+        out.update({f"{_peft_prefix(n)}.lora_B.weight": g for n, g in zip(names, bs)})
+    return out
+
+
+@pytest.mark.multirank
+def test_adapter_grads_match_transformers_peft(tmp_path):
+    """An independent reference: PEFT's autograd on transformers. PEFT gives each of q/k/v its own lora_A; megarl's
+    shared A gets the sum of their gradients."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path, folder = tiny_model_dir("qwen2"), str(tmp_path / "adapter")
+    ours = {k: v for r in run_ranks(2, grads_in_peft_names, path, {"tp": 2}, folder) for k, v in r.items()}
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), folder,
+                                      is_trainable=True)
+    batches = ranks.input_batches(n=2, batch=1)
+    for ids in batches:  # Megatron's schedule: the mean of the micro-batches' mean token losses
+        logits = model(ids).logits[0]
+        loss = torch.nn.functional.cross_entropy(logits, torch.roll(ids, -1, dims=1)[0]) / len(batches)
+        loss.backward()
+    theirs = {}
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            key = name.replace(".default", "")
+            group = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+            proj = key.split(".")[-3]
+            if "lora_A" in key and proj in group:  # a fused group's A gradients add up on its first projection
+                key = key.replace(f".{proj}.", f".{group[proj]}.")
+            theirs[key] = theirs.get(key, 0) + p.grad
+    assert sorted(ours) == sorted(theirs)
+    for key, grad in theirs.items():
+        assert grad.abs().max() > 0, key
+        assert (ours[key] - grad).abs().max().item() < 1e-5, key
