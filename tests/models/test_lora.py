@@ -59,24 +59,27 @@ def lora_layout(path: str, layout: dict, lora: dict = LORA) -> dict:
     except KeyError:
         pass
     out["after_error"] = _logits(bridge, chunks)
-    out["trainable"] = sorted(n for c in chunks for n, p in c.named_parameters() if p.requires_grad)
+    # chunk index + local name: with VPP two chunks of a rank share local names
+    named = [(f"{i}:{n}", p) for i, c in enumerate(chunks) for n, p in c.named_parameters()]
+    out["trainable"] = sorted(n for n, p in named if p.requires_grad)
     model = wrap_ddp(chunks, pg=bridge.pg)
     optimizer, _ = make_optimizer(model, 1e-2, 0.0, 0, "constant", 10, pg=bridge.pg)
     optimizer.zero_grad()
-    out["losses"] = ranks.forward_backward(bridge, model, micro_batches=2)
+    # 4 micro-batches: at pp2 x vpp2, 2 hang in the interleaved schedule (with or without adapters)
+    out["losses"] = ranks.forward_backward(bridge, model, micro_batches=4)
     out["grads"] = {f"{c}.{x}": g for c, _, a, b in full_adapters(chunks, bridge, grads=True)
                     for x, g in (("A", a), ("B", b))}
-    before = {n: p.detach().clone() for c in chunks for n, p in c.named_parameters()}
+    before = {n: p.detach().clone() for n, p in named}
     updated, _, _ = optimizer.step()
     assert updated
-    out["changed"] = sorted(n for c in chunks for n, p in c.named_parameters() if not torch.equal(p, before[n]))
+    out["changed"] = sorted(n for n, p in named if not torch.equal(p, before[n]))
     out["all_params"] = sorted(before)
     return out
 
 
 # tp2: sequence parallelism on (mbridge's default at tp > 1); tp2nosp: the replicated-activation path
 LAYOUTS = {"tp1": ({}, 1), "tp2": ({"tp": 2}, 2), "tp2nosp": ({"tp": 2, "sequence_parallel": False}, 2),
-           "pp2": ({"pp": 2}, 2)}
+           "pp2": ({"pp": 2}, 2), "pp2vpp2": ({"pp": 2, "vpp": 2}, 2), "tp2pp2": ({"tp": 2, "pp": 2}, 4)}
 
 
 ATTENTION = dict(LORA, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
