@@ -1,6 +1,7 @@
 """LoRA adapters (megarl.models.lora): TP/PP layouts against TP1, frozen base, no-op init, adapters_disabled, PEFT
 export read by transformers + peft, load_peft, and the one-line refusals."""
 import functools
+import math
 import types
 import zlib
 
@@ -491,3 +492,47 @@ def test_adapter_grads_match_transformers_peft(tmp_path):
     for key, grad in theirs.items():
         assert grad.abs().max() > 0, key
         assert (ours[key] - grad).abs().max().item() < 1e-5, key
+
+
+def lora_rl_grads(path: str, layout: dict, global_batch, cfg, num_microbatches: int) -> dict:
+    """Full adapter gradients and global metrics of one RL batch through megarl's loss (fused output-layer log-probs,
+    frozen output layer) and Megatron's schedule."""
+    from megarl.losses import forward_backward, prepare_global_batch, reduce_metrics
+    from megarl.models.lora import LoraConfig, apply_lora, full_adapters
+    from megarl.trainer.setup import wrap_ddp
+
+    _, bridge, chunks = ranks.build(path, **layout)
+    apply_lora(chunks, LoraConfig(**LORA))
+    _set_nonzero_b(chunks, bridge)
+    model = wrap_ddp(chunks, pg=bridge.pg)
+    local, _ = ranks.dp_share(global_batch)
+    local = prepare_global_batch(local, cfg.aggregation, cfg.norm_length, pg=bridge.pg)
+    for m in model:
+        m.zero_grad_buffer()
+    metrics = reduce_metrics(forward_backward(model, local, num_microbatches, cfg, bridge.vocab_size, pg=bridge.pg),
+                             bridge.pg)
+    grads = {f"{c}.{x}": g for c, _, a, b in full_adapters(chunks, bridge, grads=True) for x, g in (("A", a), ("B", b))}
+    return {"grads": grads, "metrics": metrics}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name,layout,world,micro_batches", [("tp2", {"tp": 2}, 2, 2), ("dp2", {}, 2, 2),
+                                                              ("pp2", {"pp": 2}, 2, 4)])
+def test_rl_loss_adapter_grads_match_single_rank(name, layout, world, micro_batches):
+    from megarl.algorithms import AlgorithmConfig, MismatchConfig
+    from rl_batch import TEMPERATURE, rl_token_batch
+
+    path = tiny_model_dir("qwen3")
+    cfg = AlgorithmConfig(policy_loss="ppo_clip", clip_eps_low=0.1, clip_eps_high=0.15, aggregation="token-mean",
+                          kl_coef=0.05, entropy_coef=0.01, temperature=TEMPERATURE,
+                          mismatch=MismatchConfig(mode="tis", cap=1.5)).validate()
+    batch = rl_token_batch(path)
+    (ref,) = run_ranks(1, lora_rl_grads, path, {}, batch, cfg, 1)
+    results = run_ranks(world, lora_rl_grads, path, layout, batch, cfg, micro_batches)
+    grads = {k: v for r in results for k, v in r["grads"].items()}
+    assert sorted(grads) == sorted(ref["grads"])
+    for key, expected in ref["grads"].items():
+        scale = expected.abs().max().item()
+        assert scale > 0, key
+        assert (grads[key] - expected).abs().max().item() <= 1e-5 * scale + 1e-8, key
+    assert math.isclose(results[0]["metrics"]["loss"], ref["metrics"]["loss"], rel_tol=1e-5, abs_tol=1e-7)
