@@ -536,3 +536,37 @@ def test_rl_loss_adapter_grads_match_single_rank(name, layout, world, micro_batc
         assert scale > 0, key
         assert (grads[key] - expected).abs().max().item() <= 1e-5 * scale + 1e-8, key
     assert math.isclose(results[0]["metrics"]["loss"], ref["metrics"]["loss"], rel_tol=1e-5, abs_tol=1e-7)
+
+
+def resume_step(path: str, layout: dict, ckpt_root: str, resume: bool) -> dict:
+    """Step 1, checkpoint, step 2 (resume=False); or load the checkpoint, step 2 (resume=True): adapters after step 2."""
+    from megarl.models.lora import LoraConfig, full_adapters
+    from megarl.trainer import checkpoint as ck
+
+    policy = _policy(path, layout, LoraConfig(**LORA))
+    _set_nonzero_b(policy.chunks, policy.bridge)
+
+    def step():
+        policy.optimizer.zero_grad()
+        ranks.forward_backward(policy.bridge, policy.model, micro_batches=1)
+        policy.optimizer.step()
+        policy.scheduler.step(1)
+
+    if resume:
+        ck.load_checkpoint(ck.latest_checkpoint(ckpt_root), policy.chunks, policy.optimizer, policy.scheduler)
+    else:
+        step()
+        ck.save_checkpoint(ckpt_root, 1, policy.chunks, policy.optimizer, policy.scheduler, {})
+    step()
+    return {c: (a, b) for c, _, a, b in full_adapters(policy.chunks, policy.bridge)}
+
+
+@pytest.mark.multirank
+def test_resume_restores_adapter_optimizer_state(tmp_path):
+    """Adam's second step depends on its moments: a resumed run repeats it bit for bit only if they were restored."""
+    path, root = tiny_model_dir("qwen2"), str(tmp_path / "ckpt")
+    straight = {k: v for r in run_ranks(2, resume_step, path, {"tp": 2}, root, False) for k, v in r.items()}
+    resumed = {k: v for r in run_ranks(2, resume_step, path, {"tp": 2}, root, True) for k, v in r.items()}
+    assert sorted(resumed) == sorted(straight)
+    for key, (a, b) in straight.items():
+        assert torch.equal(resumed[key][0], a) and torch.equal(resumed[key][1], b), key
