@@ -125,7 +125,7 @@ def build_policy(folder, optim, total_steps: int, load: str | None = None,
         ckpt = resolve_checkpoint(load)
         # A checkpoint of a LoRA run holds the adapters next to the frozen weights: they are added first so the load
         # reads them (a plain checkpoint, e.g. an SFT cold start, gets fresh adapters after). Loading one without
-        # model.lora would silently drop its adapters.
+        # model.lora would silently drop its adapters. Its adapters are the run's state: model.lora.load is not read.
         if checkpoint_has_adapters(ckpt):
             if lora is None:
                 raise ConfigError(f"model checkpoint {ckpt} holds LoRA adapters. Fix: set model.lora as in the run "
