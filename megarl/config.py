@@ -131,7 +131,7 @@ def _coerce(tp, value, name: str):
             try:
                 return _coerce(arg, value, name)
             except ConfigError as e:
-                errors.append(str(e))
+                errors.append(e)  # the error itself: a single one is re-raised as it is
         raise errors[0] if len(errors) == 1 else ConfigError(f"{name}: {value!r} matches none of {args}")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):

@@ -36,6 +36,7 @@ from ..compat.megatron import mla_core_attention
 from ..parallel.config import ParallelConfigError
 from .checkpoint import publish_dir
 from .hf import HFModelFolder, open_model_folder
+from .lora import is_adapter_param, merged_weight
 
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
@@ -248,12 +249,15 @@ class ModelBridge:
         seen = set()
         for name, param in _unwrap(model).named_parameters():
             seen.add(name)
+            if is_adapter_param(name):  # LoRA A/B: no HF tensor of their own (merged below; PEFT: models.lora)
+                continue
             if grads:
                 grad = getattr(param, "main_grad", None)
                 grad = param.grad if grad is None else grad
                 yield name, param, (torch.zeros_like(param) if grad is None else grad)
             else:
-                yield name, param, param
+                # a LoRA-adapted layer exports its merged weight (what the rollout engine and an HF folder need)
+                yield name, param, merged_weight(param)
         if not grads:
             for name, value in _unwrap(model).state_dict().items():
                 if name not in seen and "expert_bias" in name and torch.is_tensor(value):

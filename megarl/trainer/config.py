@@ -9,6 +9,7 @@ from ..algorithms import AlgorithmConfig
 from ..algorithms.advantages import estimator
 from ..config import ConfigError, load_config
 from ..errors import unknown_name
+from ..models.lora import LoraConfig
 from ..parallel import ModelShape, ParallelConfig
 
 
@@ -39,8 +40,13 @@ class ModelConfig:
     # freeze_router_bias: keep the aux-loss-free expert bias (DeepSeek-V3-style e_score_correction_bias) fixed during
     # RL instead of letting Megatron's bias-update rule move it by each small, skewed RL batch's expert load.
     freeze_router_bias: bool = False
+    # LoRA adapters (megarl.models.lora.LoraConfig: rank, alpha, dropout, target_modules, seed, load); null: full
+    # fine-tuning. With adapters the base weights are frozen and the optimizer holds the adapters only.
+    lora: Optional[LoraConfig] = None
 
     def __post_init__(self):
+        if isinstance(self.lora, dict):  # built in code rather than from YAML (megarl.config.build makes the dataclass)
+            self.lora = LoraConfig(**self.lora)
         shape = model_shape_hint(self.shape) if self.shape is not None else None
         if self.moe_aux_loss_coeff is not None and self.moe_aux_loss_coeff < 0:
             raise ConfigError(f"model.moe_aux_loss_coeff must be >= 0 (or null: the HF config's "

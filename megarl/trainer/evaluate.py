@@ -102,7 +102,8 @@ def run_eval(cfg, samples: int | None = None, responses: str | None = None, out:
             with open(os.path.join(latest, "trainer_state.json")) as f:
                 step = json.load(f)["step"]
         policy = build_policy(folder, None, 0, load=latest or resolve_load(cfg),
-                              config_overrides=moe_config_overrides(cfg, folder), pg=groups.mcore)
+                              config_overrides=moe_config_overrides(cfg, folder), lora=cfg.model.lora,
+                              pg=groups.mcore)
 
         def start_rollout():
             nonlocal records, rewards, eval_rewards

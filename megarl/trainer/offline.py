@@ -76,7 +76,7 @@ class OfflineTrainer:
         cfg, s = self.cfg, self.section
         self.items = self.load_items()[: s.max_samples]
         self.policy = policy = build_policy(self.folder, self.optim_config(), s.steps, load=self.load_path(),
-                                            pg=self.pg)
+                                            lora=cfg.model.lora, pg=self.pg)
         self.build(policy)
         ckpt_root = os.path.join(self.out_dir, "checkpoints")
         step = 0

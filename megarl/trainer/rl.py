@@ -81,7 +81,8 @@ class RLTrainer:
         self.tok = ChatTokenizer.from_pretrained(self.model_path)
         updates = cfg.rl.steps * cfg.rl.ppo_epochs * cfg.rl.mini_batches
         self.policy = build_policy(folder, cfg.optim, updates, load=resolve_load(cfg),
-                                   config_overrides=moe_config_overrides(cfg, folder), pg=self.pg)
+                                   config_overrides=moe_config_overrides(cfg, folder), lora=cfg.model.lora,
+                                   pg=self.pg)
         self.bridge = self.policy.bridge
         hf = folder.config  # the engine's routing per position: [layers, top-k] (MoE with rollout.engine_routing)
         self.routing_shape = (hf.num_hidden_layers, hf.num_experts_per_tok) \

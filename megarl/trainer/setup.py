@@ -110,18 +110,35 @@ def moe_config_overrides(cfg, folder) -> dict:
 
 
 def build_policy(folder, optim, total_steps: int, load: str | None = None,
-                 config_overrides: dict | None = None, *, pg) -> Policy:
+                 config_overrides: dict | None = None, lora=None, *, pg) -> Policy:
     """Sharded policy with the HF weights (or a megarl checkpoint's model weights when `load` is set), on the layout
     of pg (megatron-core's ProcessGroupCollection). optim None: weights only, for forward passes (`megarl eval`): no
-    DDP wrapper, optimizer or schedule."""
+    DDP wrapper, optimizer or schedule. lora (megarl.models.lora.LoraConfig): frozen base weights plus adapters (from
+    lora.load, a PEFT folder, if set), added before DDP and the optimizer so those hold the adapters only."""
     from ..models.checkpoint import load_model_checkpoint
+    from ..models.lora import apply_lora, checkpoint_has_adapters, load_peft
 
     bridge = ModelBridge(folder, config_overrides=config_overrides, pg=pg)
     chunks = bridge.build()
+    adapters = False
     if load:
-        load_model_checkpoint(chunks, resolve_checkpoint(load))
+        ckpt = resolve_checkpoint(load)
+        # A checkpoint of a LoRA run holds the adapters next to the frozen weights: they are added first so the load
+        # reads them (a plain checkpoint, e.g. an SFT cold start, gets fresh adapters after). Loading one without
+        # model.lora would silently drop its adapters. Its adapters are the run's state: model.lora.load is not read.
+        if checkpoint_has_adapters(ckpt):
+            if lora is None:
+                raise ConfigError(f"model checkpoint {ckpt} holds LoRA adapters. Fix: set model.lora as in the run "
+                                  "that wrote it")
+            apply_lora(chunks, lora)
+            adapters = True
+        load_model_checkpoint(chunks, ckpt)
     else:
         bridge.load_hf_weights(chunks)
+    if lora is not None and not adapters:
+        apply_lora(chunks, lora)
+        if lora.load:
+            load_peft(lora.load, chunks, bridge, lora)
     if optim is None:
         return Policy(bridge, chunks, chunks, None, None)
     model = wrap_ddp(chunks, optim.distributed_optimizer, pg=bridge.pg)
@@ -147,12 +164,17 @@ def build_critic(bridge: ModelBridge, policy_chunks: list, optim, lr: float, tot
 
 @torch.no_grad()
 def _copy_weights(source: list, target: list, skip: tuple = ()) -> None:
+    """The source's current function into the target: a LoRA-adapted source layer gives its merged weight (the
+    target has no adapters), so a reference or critic made from a policy with trained adapters (a LoRA SFT
+    checkpoint, model.lora.load) starts from that policy, not from its frozen base."""
+    from ..models.lora import merged_weight
+
     for src, dst in zip(source, target):
         values = src.state_dict(keep_vars=True)
         for name, tensor in dst.state_dict(keep_vars=True).items():
             if torch.is_tensor(tensor) and name in values and not any(k in name for k in skip) \
                     and torch.is_tensor(values[name]) and values[name].shape == tensor.shape:
-                tensor.copy_(values[name])
+                tensor.copy_(merged_weight(values[name]))
 
 
 def build_reference(bridge: ModelBridge, policy_chunks: list) -> list:

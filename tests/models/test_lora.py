@@ -1,0 +1,572 @@
+"""LoRA adapters (megarl.models.lora): TP/PP layouts against TP1, frozen base, no-op init, adapters_disabled, PEFT
+export read by transformers + peft, load_peft, and the one-line refusals."""
+import functools
+import math
+import types
+import zlib
+
+import pytest
+import torch
+
+import ranks
+from megarl.testing import run_ranks, tiny_model_dir
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = dict(rank=4, alpha=8.0, target_modules=ALL)
+
+
+def _set_nonzero_b(chunks, bridge, scale=0.1):
+    """B drawn whole per layer (seeded by its canonical name, so every layout draws the same matrix) and sharded like
+    the layer's weight: the adapter then changes the outputs."""
+    from megarl.compat import mbridge as mbridge_compat
+    from megarl.models.lora import ADAPTER, adapted_layers
+
+    tp, tp_rank = bridge.pg.tp.size(), bridge.pg.tp.rank()
+    with torch.no_grad():
+        for chunk, path, layer in adapted_layers(chunks):
+            adapter = getattr(layer, ADAPTER)
+            canonical = bridge.canonical_name(chunk, f"{path}.weight")
+            g = torch.Generator().manual_seed(zlib.crc32(canonical.encode()))
+            full = scale * torch.randn(layer.output_size, adapter.B.shape[1], generator=g)
+            if adapter.column:
+                full = mbridge_compat.split_across_tp(bridge.mb, canonical, full, layer.weight, tp)[tp_rank]
+            adapter.B.copy_(full)
+
+
+def _logits(bridge, chunks):
+    from megarl.models import forward_logits
+
+    return forward_logits(chunks, ranks.input_batches(), vocab_size=bridge.vocab_size, pg=bridge.pg)
+
+
+def lora_layout(path: str, layout: dict, lora: dict = LORA) -> dict:
+    """Base logits, LoRA logits at init (B = 0), with a non-zero B, under adapters_disabled; full adapter gradients of
+    the next-token loss; which parameters an Adam step changed."""
+    from megarl.models.lora import LoraConfig, adapters_disabled, apply_lora, full_adapters
+    from megarl.trainer.setup import make_optimizer, wrap_ddp
+
+    _, bridge, chunks = ranks.build(path, **layout)
+    out = {"base": _logits(bridge, chunks)}
+    apply_lora(chunks, LoraConfig(**lora))
+    out["init"] = _logits(bridge, chunks)
+    _set_nonzero_b(chunks, bridge)
+    out["lora"] = _logits(bridge, chunks)
+    with adapters_disabled(chunks):
+        out["disabled"] = _logits(bridge, chunks)
+    out["after_disabled"] = _logits(bridge, chunks)
+    try:
+        with adapters_disabled(chunks):
+            raise KeyError("inside the block")
+    except KeyError:
+        pass
+    out["after_error"] = _logits(bridge, chunks)
+    # chunk index + local name: with VPP two chunks of a rank share local names
+    named = [(f"{i}:{n}", p) for i, c in enumerate(chunks) for n, p in c.named_parameters()]
+    out["trainable"] = sorted(n for n, p in named if p.requires_grad)
+    model = wrap_ddp(chunks, pg=bridge.pg)
+    optimizer, _ = make_optimizer(model, 1e-2, 0.0, 0, "constant", 10, pg=bridge.pg)
+    optimizer.zero_grad()
+    # 4 micro-batches: at pp2 x vpp2, 2 hang in the interleaved schedule (with or without adapters)
+    out["losses"] = ranks.forward_backward(bridge, model, micro_batches=4)
+    out["grads"] = {f"{c}.{x}": g for c, _, a, b in full_adapters(chunks, bridge, grads=True)
+                    for x, g in (("A", a), ("B", b))}
+    before = {n: p.detach().clone() for n, p in named}
+    updated, _, _ = optimizer.step()
+    assert updated
+    out["changed"] = sorted(n for n, p in named if not torch.equal(p, before[n]))
+    out["all_params"] = sorted(before)
+    return out
+
+
+# tp2: sequence parallelism on (mbridge's default at tp > 1); tp2nosp: the replicated-activation path
+LAYOUTS = {"tp1": ({}, 1), "tp2": ({"tp": 2}, 2), "tp2nosp": ({"tp": 2, "sequence_parallel": False}, 2),
+           "pp2": ({"pp": 2}, 2), "pp2vpp2": ({"pp": 2, "vpp": 2}, 2), "tp2pp2": ({"tp": 2, "pp": 2}, 4)}
+
+
+ATTENTION = dict(LORA, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+MOE_LAYOUTS = {"tp1": ({}, 1), "tp2": ({"tp": 2}, 2), "ep2": ({"ep": 2}, 2)}
+
+
+@functools.cache
+def _run(family, name):
+    layout, world = (MOE_LAYOUTS if family == "qwen3_moe" else LAYOUTS)[name]
+    return run_ranks(world, lora_layout, tiny_model_dir(family), layout,
+                     ATTENTION if family == "qwen3_moe" else LORA)
+
+
+def _last_stage(results, key):
+    values = [r[key] for r in results if r[key] is not None]
+    assert values
+    return values[0]
+
+
+def _max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("family,name", [(f, n) for f in ("qwen2", "qwen3") for n in LAYOUTS]
+                         + [("qwen3_moe", n) for n in MOE_LAYOUTS])  # MoE: attention adapters, experts frozen
+def test_lora_layout(family, name):
+    results = _run(family, name)
+    base, init, lora = (_last_stage(results, k) for k in ("base", "init", "lora"))
+    # B = 0 at init: the adapted model is the base model, exactly
+    assert _max_diff(init, base) == 0.0
+    # a non-zero B matters, adapters_disabled gives the base back and re-enables on exit
+    assert _max_diff(lora, base) > 1e-2
+    assert _max_diff(_last_stage(results, "disabled"), base) == 0.0
+    assert _max_diff(_last_stage(results, "after_disabled"), lora) == 0.0
+    assert _max_diff(_last_stage(results, "after_error"), lora) == 0.0  # re-enabled when the block raises
+    # only adapter parameters train, and the optimizer step changes exactly those
+    for r in results:
+        adapters = sorted(n for n in r["all_params"] if ".lora_adapter." in n)
+        assert adapters and r["trainable"] == adapters
+        assert r["changed"] == adapters
+    if name == "tp1":
+        return
+    (reference,) = _run(family, "tp1")
+    assert _max_diff(lora, reference["lora"]) < 1e-5
+    grads = {k: v for r in results for k, v in r["grads"].items()}
+    assert sorted(grads) == sorted(reference["grads"])
+    for key, ref in reference["grads"].items():
+        assert ref.abs().max() > 0, f"reference grad of {key} is zero: the check would be vacuous"
+        assert (grads[key] - ref).abs().max().item() < 1e-5, key
+    losses = next(r["losses"] for r in results if r["losses"])
+    assert torch.allclose(torch.stack(losses), torch.stack(reference["losses"]), atol=1e-5)
+
+
+def lora_export(path: str, layout: dict, folder: str) -> dict:
+    """Export a trained-looking adapter as PEFT, read it back into fresh adapters (load_peft); logits of both, and
+    the merged HF weights export_hf_weights gives (what the rollout engine receives)."""
+    from megarl.models.lora import LoraConfig, apply_lora, export_peft, load_peft, read_peft_config
+
+    cfg = LoraConfig(**LORA)
+    _, bridge, chunks = ranks.build(path, **layout)
+    apply_lora(chunks, cfg)
+    _set_nonzero_b(chunks, bridge)
+    with torch.no_grad():  # A away from its init too, so load_peft must really copy it
+        for c in chunks:
+            for n, p in c.named_parameters():
+                if n.endswith(".lora_adapter.A"):
+                    p.mul_(1.5)
+    export_peft(chunks, bridge, cfg, folder)
+    out = {"logits": _logits(bridge, chunks), "merged": dict(bridge.export_hf_weights(chunks))}
+    fresh = bridge.build()
+    bridge.load_hf_weights(fresh)
+    apply_lora(fresh, read_peft_config(folder))
+    load_peft(folder, fresh, bridge, cfg)
+    out["reloaded"] = _logits(bridge, fresh)
+    return out
+
+
+@functools.cache
+def _hf_peft(path, folder):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, folder).eval()
+    with torch.no_grad():
+        logits = [model(batch).logits for batch in ranks.input_batches()]
+    merged = {k: v.clone() for k, v in model.merge_and_unload().state_dict().items()}
+    return logits, merged
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_peft_export_matches_transformers_peft(family, tmp_path):
+    from safetensors.torch import load_file
+
+    path, folder = tiny_model_dir(family), str(tmp_path / "adapter")
+    results = run_ranks(2, lora_export, path, {"tp": 2}, folder)
+    keys = sorted(load_file(f"{folder}/adapter_model.safetensors"))
+    # unfused: one lora_A / lora_B per HF projection and layer (4 layers x 7 projections)
+    assert len(keys) == 4 * 7 * 2 and "base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight" in keys
+    ref_logits, ref_merged = _hf_peft(path, folder)
+    ours = results[0]["logits"]
+    assert ref_logits[0].abs().max() > 1.0
+    assert _max_diff(ours, ref_logits) < 1e-4
+    assert _max_diff(results[0]["reloaded"], ours) == 0.0  # load_peft restores the exported adapter exactly
+    merged = {k: v for r in results for k, v in r["merged"].items()}
+    base = load_file(f"{path}/model.safetensors")
+    assert sorted(merged) == sorted(base)  # no adapter tensor leaks into the HF export
+    assert (merged["model.layers.0.self_attn.k_proj.weight"] - base["model.layers.0.self_attn.k_proj.weight"]
+            ).abs().max() > 1e-3  # the export is merged
+    for key, tensor in merged.items():  # the merged weights the engine gets are PEFT's merge_and_unload
+        assert (tensor - ref_merged[key]).abs().max().item() < 1e-5, key
+
+
+def policy_from_peft(path: str, folder: str) -> dict:
+    """build_policy with model.lora.load = a PEFT folder; then the same folder with k_proj's lora_A changed."""
+    from safetensors.torch import load_file, save_file
+
+    from megarl.models.lora import LoraConfig, LoraConfigError
+
+    policy = _policy(path, {}, LoraConfig(**LORA, load=folder))
+    out = {"logits": _logits(policy.bridge, policy.chunks)}
+    tensors = load_file(f"{folder}/adapter_model.safetensors")
+    tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_A.weight"] += 1.0
+    save_file(tensors, f"{folder}/adapter_model.safetensors")
+    from megarl.compat.megatron import destroy_model_parallel
+
+    destroy_model_parallel()
+    try:
+        _policy(path, {}, LoraConfig(**LORA, load=folder))
+    except LoraConfigError as e:
+        out["refusal"] = str(e)
+    return out
+
+
+@pytest.mark.multirank
+def test_build_policy_starts_from_a_peft_folder(tmp_path):
+    path, folder = tiny_model_dir("qwen2"), str(tmp_path / "adapter")
+    exported = run_ranks(2, lora_export, path, {"tp": 2}, folder)[0]["logits"]
+    (out,) = run_ranks(1, policy_from_peft, path, folder)
+    assert _max_diff(out["logits"], exported) < 1e-5  # TP2's adapter, exported, then loaded at TP1
+    assert out["refusal"] == (f"{folder}: base_model.model.model.layers.1.self_attn.q_proj, "
+                              "base_model.model.model.layers.1.self_attn.k_proj, "
+                              "base_model.model.model.layers.1.self_attn.v_proj have different lora_A; megarl's fused "
+                              "linear_qkv adapter shares one A across them")
+
+
+@pytest.mark.unit
+def test_load_peft_refuses_a_different_adapter_shape(tmp_path):
+    import peft
+
+    from megarl.models.lora import LoraConfig, LoraConfigError, load_peft
+
+    peft.LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"]).save_pretrained(str(tmp_path))
+    with pytest.raises(LoraConfigError) as e:
+        load_peft(str(tmp_path), [], None, LoraConfig(**LORA))
+    assert str(e.value) == (f"model.lora.load={tmp_path}: adapter does not match model.lora (rank: folder 8 vs "
+                            "model.lora 4; target_modules: folder ['k_proj', 'q_proj', 'v_proj'] vs model.lora "
+                            "['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj'])")
+
+
+def _config(moe=False, mla=False, gated=True):
+    return types.SimpleNamespace(num_moe_experts=4 if moe else None, multi_latent_attention=mla,
+                                 gated_linear_unit=gated)
+
+
+@pytest.mark.unit
+def test_bad_target_name_is_one_line_listing_valid_names():
+    from megarl.models.lora import LoraConfig, LoraConfigError, megatron_targets
+
+    with pytest.raises(LoraConfigError) as e:
+        megatron_targets(LoraConfig(target_modules=["q_proj", "k_proj", "v_proj", "qkv"]), _config())
+    assert str(e.value) == ("model.lora.target_modules: qkv not a LoRA target of this model; valid names: q_proj, "
+                            "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
+    with pytest.raises(LoraConfigError) as e:  # an MoE model: expert MLPs are not targets
+        megatron_targets(LoraConfig(target_modules=["gate_proj", "up_proj"]), _config(moe=True))
+    assert "\n" not in str(e.value) and str(e.value).endswith("valid names: q_proj, k_proj, v_proj, o_proj")
+
+
+@pytest.mark.unit
+def test_fused_targets_come_as_a_group():
+    from megarl.models.lora import LoraConfig, LoraConfigError, megatron_targets
+
+    assert megatron_targets(LoraConfig(target_modules=ALL), _config()) == [
+        "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"]
+    with pytest.raises(LoraConfigError, match=r"^model.lora.target_modules: q_proj, k_proj, v_proj share Megatron's "
+                                              r"fused self_attention.linear_qkv \(one adapter\): name all of them or "
+                                              r"none \(missing k_proj, v_proj\)$"):
+        megatron_targets(LoraConfig(target_modules=["q_proj"]), _config())
+
+
+@pytest.mark.unit
+def test_model_config_lora():
+    from megarl.config import ConfigError, load_config
+    from megarl.models.lora import LoraConfig
+    from megarl.trainer.config import ModelConfig, TrainConfig
+
+    assert ModelConfig().lora is None
+    assert ModelConfig(lora={"rank": 4, "target_modules": ["o_proj"]}).lora == LoraConfig(rank=4,
+                                                                                        target_modules=["o_proj"])
+    cfg = load_config(TrainConfig, None, ["model.lora.rank=16", "model.lora.target_modules=[q_proj,k_proj,v_proj]"])
+    assert cfg.model.lora.rank == 16 and cfg.model.lora.scale == 1.0
+    with pytest.raises(ConfigError, match="model.lora.rank must be an integer >= 1"):
+        load_config(TrainConfig, None, ["model.lora.rank=0"])
+
+
+def _policy(path: str, layout: dict, lora, load=None, optim=True):
+    """build_policy (the trainer's own path) on a fresh layout; lora None: full fine-tuning."""
+    from megarl import parallel
+    from megarl.models import open_model_folder
+    from megarl.trainer.config import OptimConfig
+    from megarl.trainer.setup import build_policy
+
+    folder = open_model_folder(path)
+    groups = parallel.initialize(parallel.ParallelConfig(**layout), folder.shape())
+    return build_policy(folder, OptimConfig(lr=1e-2) if optim else None, 10, load=load, lora=lora, pg=groups.mcore)
+
+
+def _memory(policy) -> dict:
+    """Measured after one step: trainable parameters, the optimizer's state tensors and DDP's gradient buffers."""
+    opts = getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])
+    state = sum(t.numel() * t.element_size() for o in opts for s in o.optimizer.state.values()
+                for t in s.values() if torch.is_tensor(t))
+    in_optimizer = sum(p.numel() for o in opts for g in o.optimizer.param_groups for p in g["params"])
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for m in policy.model for b in m.buffers)
+    return {"total_params": sum(p.numel() for c in policy.chunks for p in c.parameters()),
+            "trainable": sum(p.numel() for c in policy.chunks for p in c.parameters() if p.requires_grad),
+            "optimizer_params": in_optimizer, "optimizer_state_bytes": state, "grad_buffer_bytes": grads}
+
+
+def memory_with_and_without_lora(path: str) -> dict:
+    from megarl.models.lora import LoraConfig
+
+    out = {}
+    for name, lora in (("full", None), ("lora", LoraConfig(**LORA))):
+        policy = _policy(path, {}, lora)
+        policy.optimizer.zero_grad()
+        ranks.forward_backward(policy.bridge, policy.model, micro_batches=1)
+        policy.optimizer.step()
+        out[name] = _memory(policy)
+        from megarl.compat.megatron import destroy_model_parallel
+
+        destroy_model_parallel()
+    return out
+
+
+@pytest.mark.multirank
+def test_optimizer_holds_adapters_only():
+    (out,) = run_ranks(1, memory_with_and_without_lora, tiny_model_dir("qwen2"))
+    full, lora = out["full"], out["lora"]
+    print(f"\nLoRA memory (tiny qwen2, rank {LORA['rank']}, all 7 projections): {out}")
+    assert lora["total_params"] == full["total_params"] + lora["trainable"]
+    assert full["optimizer_params"] == full["trainable"] == full["total_params"]
+    assert lora["optimizer_params"] == lora["trainable"] < full["trainable"] / 10
+    # Adam: exp_avg + exp_avg_sq in fp32 per trainable parameter (plus one step counter per tensor)
+    assert 8 * lora["trainable"] <= lora["optimizer_state_bytes"] < 8 * lora["trainable"] + 4096
+    assert lora["grad_buffer_bytes"] == 4 * lora["trainable"]
+
+
+def checkpoint_save(path: str, layout: dict, ckpt_root: str) -> dict:
+    """One LoRA step through build_policy, then a run checkpoint; the full adapters that were saved."""
+    from megarl.models.lora import LoraConfig, full_adapters
+    from megarl.trainer import checkpoint as ck
+
+    policy = _policy(path, layout, LoraConfig(**LORA))
+    _set_nonzero_b(policy.chunks, policy.bridge)
+    policy.optimizer.zero_grad()
+    ranks.forward_backward(policy.bridge, policy.model, micro_batches=1)
+    policy.optimizer.step()
+    ck.save_checkpoint(ckpt_root, 1, policy.chunks, policy.optimizer, policy.scheduler, {})
+    return {c: (a, b) for c, _, a, b in full_adapters(policy.chunks, policy.bridge)}
+
+
+def checkpoint_load(path: str, layout: dict, ckpt_root: str) -> dict:
+    from megarl.models.lora import LoraConfig, full_adapters
+    from megarl.trainer import checkpoint as ck
+
+    policy = _policy(path, layout, LoraConfig(**LORA))
+    ck.load_checkpoint(ck.latest_checkpoint(ckpt_root), policy.chunks, policy.optimizer, policy.scheduler)
+    return {c: (a, b) for c, _, a, b in full_adapters(policy.chunks, policy.bridge)}
+
+
+def checkpoint_as_model_load(path: str, ckpt_root: str) -> dict:
+    """What `megarl eval` does with a run's checkpoint (build_policy(load=...), no optimizer): with model.lora it reads
+    the adapters; without, it refuses (it would evaluate the base model)."""
+    from megarl.compat.megatron import destroy_model_parallel
+    from megarl.config import ConfigError
+    from megarl.models.lora import LoraConfig, full_adapters
+
+    policy = _policy(path, {}, LoraConfig(**LORA), load=ckpt_root, optim=False)
+    out = {"adapters": {c: (a, b) for c, _, a, b in full_adapters(policy.chunks, policy.bridge)}}
+    destroy_model_parallel()
+    try:
+        _policy(path, {}, None, load=ckpt_root, optim=False)
+    except ConfigError as e:
+        out["refusal"] = str(e)
+    return out
+
+
+@pytest.mark.multirank
+def test_checkpoint_reshards_adapters_tp2_to_tp1(tmp_path):
+    """Adapters are saved with their own TP split (B by rows / A by columns), so a TP1 run resumes them whole."""
+    path, root = tiny_model_dir("qwen2"), str(tmp_path / "ckpt")
+    saved = {k: v for r in run_ranks(2, checkpoint_save, path, {"tp": 2}, root) for k, v in r.items()}
+    (loaded,) = run_ranks(1, checkpoint_load, path, {}, root)
+    assert sorted(loaded) == sorted(saved) and len(saved) == 16
+    for key, (a, b) in saved.items():
+        assert torch.equal(loaded[key][0], a) and torch.equal(loaded[key][1], b), key
+        assert b.abs().max() > 0
+    (as_load,) = run_ranks(1, checkpoint_as_model_load, path, root)
+    for key, (a, b) in saved.items():
+        assert torch.equal(as_load["adapters"][key][0], a) and torch.equal(as_load["adapters"][key][1], b), key
+    assert as_load["refusal"].startswith("model checkpoint ") and as_load["refusal"].endswith(
+        "holds LoRA adapters. Fix: set model.lora as in the run that wrote it")
+
+
+def plain_checkpoint_then_lora(path: str, ckpt_root: str) -> dict:
+    """A full fine-tuning checkpoint (an SFT cold start) as model.load of a LoRA run: its weights load, then fresh
+    adapters (B = 0) go on top, so the LoRA policy starts at exactly the checkpoint's outputs."""
+    from megarl.compat.megatron import destroy_model_parallel
+    from megarl.models.lora import LoraConfig
+    from megarl.trainer import checkpoint as ck
+
+    policy = _policy(path, {}, None)
+    ranks.perturb(policy.chunks, seed=3)
+    ck.save_checkpoint(ckpt_root, 1, policy.chunks, policy.optimizer, policy.scheduler, {})
+    full = _logits(policy.bridge, policy.chunks)
+    destroy_model_parallel()
+    lora = _policy(path, {}, LoraConfig(**LORA), load=ckpt_root)
+    return {"full": full, "lora": _logits(lora.bridge, lora.chunks),
+            "trainable": sorted(n for c in lora.chunks for n, p in c.named_parameters() if p.requires_grad)}
+
+
+@pytest.mark.multirank
+def test_plain_checkpoint_gets_fresh_adapters(tmp_path):
+    (out,) = run_ranks(1, plain_checkpoint_then_lora, tiny_model_dir("qwen2"), str(tmp_path / "ckpt"))
+    assert _max_diff(out["lora"], out["full"]) == 0.0
+    assert out["trainable"] and all(".lora_adapter." in n for n in out["trainable"])
+
+
+def reference_of_adapted_policy(path: str) -> dict:
+    """build_reference from a policy whose adapters are trained (non-zero B): the reference is that policy."""
+    from megarl.models.lora import LoraConfig, adapters_disabled
+    from megarl.trainer.setup import build_reference
+
+    policy = _policy(path, {}, LoraConfig(**LORA))
+    _set_nonzero_b(policy.chunks, policy.bridge)
+    ref = build_reference(policy.bridge, policy.chunks)
+    with adapters_disabled(policy.chunks):
+        base = _logits(policy.bridge, policy.chunks)
+    return {"policy": _logits(policy.bridge, policy.chunks), "ref": _logits(policy.bridge, ref), "base": base}
+
+
+@pytest.mark.multirank
+def test_reference_copies_the_adapted_policy():
+    (out,) = run_ranks(1, reference_of_adapted_policy, tiny_model_dir("qwen2"))
+    assert _max_diff(out["ref"], out["policy"]) < 1e-5  # merged weights vs the adapter path: rounding only
+    assert _max_diff(out["ref"], out["base"]) > 1e-2
+
+
+def grads_in_peft_names(path: str, layout: dict, folder: str) -> dict:
+    """Adapter gradients of ranks.forward_backward's loss (2 one-sequence micro-batches), named as PEFT's tensors:
+    a fused layer's A gradient under its group's first projection, its B gradient split into the projections' rows."""
+    from megarl.models.lora import LoraConfig, _peft_prefix, _rows_to_hf, apply_lora, export_peft, full_adapters
+    from megarl.trainer.setup import wrap_ddp
+
+    cfg = LoraConfig(**LORA)
+    _, bridge, chunks = ranks.build(path, **layout)
+    apply_lora(chunks, cfg)
+    _set_nonzero_b(chunks, bridge)
+    export_peft(chunks, bridge, cfg, folder)
+    model = wrap_ddp(chunks, pg=bridge.pg)
+    ranks.forward_backward(bridge, model, micro_batches=2)
+    out = {}
+    for canonical, column, a, b in full_adapters(chunks, bridge, grads=True):
+        names, bs = _rows_to_hf(bridge, canonical, b) if column else ([bridge.hf_names(canonical)[0]], [b])
+        out[f"{_peft_prefix(names[0])}.lora_A.weight"] = a
+        out.update({f"{_peft_prefix(n)}.lora_B.weight": g for n, g in zip(names, bs)})
+    return out
+
+
+@pytest.mark.multirank
+def test_adapter_grads_match_transformers_peft(tmp_path):
+    """An independent reference: PEFT's autograd on transformers. PEFT gives each of q/k/v its own lora_A; megarl's
+    shared A gets the sum of their gradients."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path, folder = tiny_model_dir("qwen2"), str(tmp_path / "adapter")
+    ours = {k: v for r in run_ranks(2, grads_in_peft_names, path, {"tp": 2}, folder) for k, v in r.items()}
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), folder,
+                                      is_trainable=True)
+    batches = ranks.input_batches(n=2, batch=1)
+    for ids in batches:  # Megatron's schedule: the mean of the micro-batches' mean token losses
+        logits = model(ids).logits[0]
+        loss = torch.nn.functional.cross_entropy(logits, torch.roll(ids, -1, dims=1)[0]) / len(batches)
+        loss.backward()
+    theirs = {}
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            key = name.replace(".default", "")
+            group = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+            proj = key.split(".")[-3]
+            if "lora_A" in key and proj in group:  # a fused group's A gradients add up on its first projection
+                key = key.replace(f".{proj}.", f".{group[proj]}.")
+            theirs[key] = theirs.get(key, 0) + p.grad
+    assert sorted(ours) == sorted(theirs)
+    for key, grad in theirs.items():
+        assert grad.abs().max() > 0, key
+        assert (ours[key] - grad).abs().max().item() < 1e-5, key
+
+
+def lora_rl_grads(path: str, layout: dict, global_batch, cfg, num_microbatches: int) -> dict:
+    """Full adapter gradients and global metrics of one RL batch through megarl's loss (fused output-layer log-probs,
+    frozen output layer) and Megatron's schedule."""
+    from megarl.losses import forward_backward, prepare_global_batch, reduce_metrics
+    from megarl.models.lora import LoraConfig, apply_lora, full_adapters
+    from megarl.trainer.setup import wrap_ddp
+
+    _, bridge, chunks = ranks.build(path, **layout)
+    apply_lora(chunks, LoraConfig(**LORA))
+    _set_nonzero_b(chunks, bridge)
+    model = wrap_ddp(chunks, pg=bridge.pg)
+    local, _ = ranks.dp_share(global_batch)
+    local = prepare_global_batch(local, cfg.aggregation, cfg.norm_length, pg=bridge.pg)
+    for m in model:
+        m.zero_grad_buffer()
+    metrics = reduce_metrics(forward_backward(model, local, num_microbatches, cfg, bridge.vocab_size, pg=bridge.pg),
+                             bridge.pg)
+    grads = {f"{c}.{x}": g for c, _, a, b in full_adapters(chunks, bridge, grads=True) for x, g in (("A", a), ("B", b))}
+    return {"grads": grads, "metrics": metrics}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name,layout,world,micro_batches", [("tp2", {"tp": 2}, 2, 2), ("dp2", {}, 2, 2),
+                                                              ("pp2", {"pp": 2}, 2, 4)])
+def test_rl_loss_adapter_grads_match_single_rank(name, layout, world, micro_batches):
+    from megarl.algorithms import AlgorithmConfig, MismatchConfig
+    from rl_batch import TEMPERATURE, rl_token_batch
+
+    path = tiny_model_dir("qwen3")
+    cfg = AlgorithmConfig(policy_loss="ppo_clip", clip_eps_low=0.1, clip_eps_high=0.15, aggregation="token-mean",
+                          kl_coef=0.05, entropy_coef=0.01, temperature=TEMPERATURE,
+                          mismatch=MismatchConfig(mode="tis", cap=1.5)).validate()
+    batch = rl_token_batch(path)
+    (ref,) = run_ranks(1, lora_rl_grads, path, {}, batch, cfg, 1)
+    results = run_ranks(world, lora_rl_grads, path, layout, batch, cfg, micro_batches)
+    grads = {k: v for r in results for k, v in r["grads"].items()}
+    assert sorted(grads) == sorted(ref["grads"])
+    for key, expected in ref["grads"].items():
+        scale = expected.abs().max().item()
+        assert scale > 0, key
+        assert (grads[key] - expected).abs().max().item() <= 1e-5 * scale + 1e-8, key
+    assert math.isclose(results[0]["metrics"]["loss"], ref["metrics"]["loss"], rel_tol=1e-5, abs_tol=1e-7)
+
+
+def resume_step(path: str, layout: dict, ckpt_root: str, resume: bool) -> dict:
+    """Step 1, checkpoint, step 2 (resume=False); or load the checkpoint, step 2 (resume=True): adapters after step 2."""
+    from megarl.models.lora import LoraConfig, full_adapters
+    from megarl.trainer import checkpoint as ck
+
+    policy = _policy(path, layout, LoraConfig(**LORA))
+    _set_nonzero_b(policy.chunks, policy.bridge)
+
+    def step():
+        policy.optimizer.zero_grad()
+        ranks.forward_backward(policy.bridge, policy.model, micro_batches=1)
+        policy.optimizer.step()
+        policy.scheduler.step(1)
+
+    if resume:
+        ck.load_checkpoint(ck.latest_checkpoint(ckpt_root), policy.chunks, policy.optimizer, policy.scheduler)
+    else:
+        step()
+        ck.save_checkpoint(ckpt_root, 1, policy.chunks, policy.optimizer, policy.scheduler, {})
+    step()
+    return {c: (a, b) for c, _, a, b in full_adapters(policy.chunks, policy.bridge)}
+
+
+@pytest.mark.multirank
+def test_resume_restores_adapter_optimizer_state(tmp_path):
+    """Adam's second step depends on its moments: a resumed run repeats it bit for bit only if they were restored."""
+    path, root = tiny_model_dir("qwen2"), str(tmp_path / "ckpt")
+    straight = {k: v for r in run_ranks(2, resume_step, path, {"tp": 2}, root, False) for k, v in r.items()}
+    resumed = {k: v for r in run_ranks(2, resume_step, path, {"tp": 2}, root, True) for k, v in r.items()}
+    assert sorted(resumed) == sorted(straight)
+    for key, (a, b) in straight.items():
+        assert torch.equal(resumed[key][0], a) and torch.equal(resumed[key][1], b), key
