@@ -82,6 +82,22 @@ def is_expert_param(name: str) -> bool:
     return ".mlp.experts." in name and ".shared_experts." not in name
 
 
+def te_norm_name(name: str, multi_latent_attention: bool, mb) -> str:
+    """A local-spec norm name -> the TE name mbridge maps (TE fuses these norms into the next linear layer)."""
+    if multi_latent_attention:
+        # MLA (DeepSeek-V3): the local spec's q/kv norms after the down projections are fused into the up
+        # projections in TE. (Without MLA, q_layernorm is Qwen3's QK-norm, which mbridge maps under that name.)
+        name = name.replace(".self_attention.q_layernorm.weight", ".self_attention.linear_q_up_proj.layer_norm_weight")
+        name = name.replace(".self_attention.kv_layernorm.weight",
+                            ".self_attention.linear_kv_up_proj.layer_norm_weight")
+    # (mbridge's DeepSeek table maps input_layernorm itself)
+    if "input_layernorm.weight" not in mbridge_compat.attention_mapping(mb):
+        name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+    if "pre_mlp_layernorm" not in mbridge_compat.mlp_mapping(mb):
+        name = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
+    return name
+
+
 class ModelBridge:
     """One HF model folder, bound to a parallel layout: `pg`, megatron-core's ProcessGroupCollection
     (megarl.parallel.groups().mcore, or megarl.parallel.user_groups() in a user's own Megatron loop), used for every
@@ -222,20 +238,7 @@ class ModelBridge:
             if match:
                 expert = self.ep_rank * experts_per_rank + int(match.group(2))
                 name = name[: match.start()] + f".mlp.experts.{match.group(1)}.weight{expert}"
-        # Local-spec norm names -> the TE names mbridge maps (TE fuses these norms into the next linear layer).
-        if self.config.multi_latent_attention:
-            # MLA (DeepSeek-V3): the local spec's q/kv norms after the down projections are fused into the up
-            # projections in TE. (Without MLA, q_layernorm is Qwen3's QK-norm, which mbridge maps under that name.)
-            name = name.replace(".self_attention.q_layernorm.weight",
-                                ".self_attention.linear_q_up_proj.layer_norm_weight")
-            name = name.replace(".self_attention.kv_layernorm.weight",
-                                ".self_attention.linear_kv_up_proj.layer_norm_weight")
-        # (mbridge's DeepSeek table maps input_layernorm itself)
-        if "input_layernorm.weight" not in mbridge_compat.attention_mapping(self.mb):
-            name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
-        if "pre_mlp_layernorm" not in mbridge_compat.mlp_mapping(self.mb):
-            name = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
-        return name
+        return te_norm_name(name, self.config.multi_latent_attention, self.mb)
 
     def hf_names(self, canonical: str) -> list[str]:
         if canonical == "output_layer.weight":
