@@ -51,7 +51,7 @@ step() {  # one progress line per stage: pip stays quiet, and the first install 
   STEP=$((STEP + 1))
   echo "megarl: [$STEP/$TOTAL] $1 ($((SECONDS - START)) s so far)"
 }
-echo "megarl: installing the $MEGARL_DEVICE stack into $VENV (benchmarks/results/install.json: how long and how big)"
+echo "megarl: installing the $MEGARL_DEVICE stack into $VENV (a few minutes the first time; benchmarks/install.py measures it)"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 
