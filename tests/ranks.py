@@ -229,7 +229,9 @@ def sync_and_compare(path, url, layout, transport, seed, corrupt=None, engine_tp
     if dist.get_rank() == 0:
         result["before"] = before
         result["after"] = client.prompt_log_probs(fixed)
-        completions = client.generate([[5, 6, 7], [30, 31, 32]], {"max_new_tokens": 6, "temperature": 1.0})
+        # ignore_eos: both completions are 6 tokens (a sampled end-of-sequence token would leave rows of two lengths)
+        completions = client.generate([[5, 6, 7], [30, 31, 32]], {"max_new_tokens": 6, "temperature": 1.0,
+                                                                   "ignore_eos": True})
         result["engine"] = [c.output_log_probs for c in completions]
         result["weight_versions"] = [c.weight_version for c in completions]
         result["sequences"] = [c.prompt_ids + c.output_ids for c in completions]

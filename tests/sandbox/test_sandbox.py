@@ -305,10 +305,12 @@ def test_memory_limit_is_per_execution_across_processes():
             "for i in range(4):\n    os.wait()\nprint('all done')")
     result = run_python(code, limits=SandboxLimits(memory_mb=400, wall_s=20))
     assert not result.ok and result.reason.startswith("memory limit (400 MB in total)"), result
+    # call_wall_s: on a loaded machine the forks may take longer than the default 10 s per call to touch their
+    # memory, and memory is what this case is about
     _assert_fails("import os\nfor i in range(4):\n    if os.fork() == 0:\n        b = bytearray(150 * 2**20)\n"
                   "        b[::4096] = b'x' * len(b[::4096])\n        import time; time.sleep(1)\n        os._exit(0)\n"
                   "for i in range(4):\n    os.wait()\ndef add(a, b):\n    return a + b", "memory limit",
-                  20 + SLACK_S, memory_mb=400, wall_s=20)
+                  20 + SLACK_S, memory_mb=400, wall_s=20, call_wall_s=20)
 
 
 @pytest.mark.skipif(not _cgroup_writable(), reason="no writable cgroup here: CPU time is limited per process only "
