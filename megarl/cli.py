@@ -100,8 +100,6 @@ def _run(args) -> int:
     """SFT cold start (when sft.steps > 0), RL, then summary.json and the report (what the quickstart runs)."""
     import torch.distributed as dist
 
-    from megarl import parallel
-    from megarl.output import finish
     from megarl.report import render
     from megarl.trainer import RLTrainer, run_sft
 
@@ -113,13 +111,8 @@ def _run(args) -> int:
         rl = trainer.train()
     finally:
         trainer.close()
-    rank = dist.get_rank()
-    parallel.teardown()
-    if rank != 0:
-        return 0
-    if rl.get("preempted"):  # checkpointed for a requeue (megarl.trainer.preemption): no summary yet
-        finish("run", rl, args.json, cfg.run_dir)
-        return 0
+    if dist.get_rank() != 0 or rl.get("preempted"):  # preempted: checkpointed for a requeue, no summary yet
+        return _finish(args, cfg, rl)
     summary = {"pass_at_1_before": rl["pass_at_1_before"], "pass_at_1_after": rl["pass_at_1_after"],
                "wall_s": round(time.perf_counter() - start, 1), "seed": cfg.seed, "rl_steps": rl["steps"],
                "resumed_from_step": rl["resumed_from_step"],  # > 0: wall_s is this process's part of the run
@@ -129,8 +122,7 @@ def _run(args) -> int:
     with open(os.path.join(cfg.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     png, md = render(cfg.run_dir)
-    finish("run", summary, args.json, cfg.run_dir, report=md, plots=png)
-    return 0
+    return _finish(args, cfg, summary, report=md, plots=png)
 
 
 def _eval(args) -> int:

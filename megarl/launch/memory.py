@@ -86,6 +86,26 @@ def stage_params(s: ModelShape, layers, first: bool, last: bool, tp: int, ep: in
     return dense, experts
 
 
+def adapter_params(s: ModelShape, layer: int, lora, tp: int) -> float:
+    """LoRA parameters of one decoder layer on one GPU, in megarl.models.lora's layout: a column-parallel layer
+    (q/k/v fused, gate/up fused) holds A [r, in] whole and B [out / tp, r]; a row-parallel one (o, down) A [r, in / tp]
+    and B [out, r] whole. Which layers: models.lora.megatron_targets (a MoE layer's MLP is not a target)."""
+    targets, r, h = set(lora.target_modules), lora.rank, s.hidden_size
+    d = s.head_dim or h // s.num_attention_heads
+    attention = s.num_attention_heads * d
+    total = 0.0
+    if targets & {"q_proj", "k_proj", "v_proj"}:
+        total += r * h + (attention + 2 * s.num_key_value_heads * d) * r / tp
+    if "o_proj" in targets:
+        total += r * attention / tp + h * r
+    if not is_moe_layer(s, layer):
+        if targets & {"gate_proj", "up_proj"}:
+            total += r * h + 2 * s.ffn_hidden_size * r / tp
+        if "down_proj" in targets:
+            total += r * s.ffn_hidden_size / tp + h * r
+    return total
+
+
 def total_params(s: ModelShape) -> int:
     """Every parameter of the model (one copy): stage_params on one GPU holding every layer."""
     dense, experts = stage_params(s, range(s.num_layers), True, True, 1, 1, 1, 1)
@@ -101,6 +121,7 @@ class StageMemory:
     weights: float  # bytes per GPU
     gradients: float
     optimizer: float
+    adapter_params: float = 0.0  # model.lora: the trainable adapters (the rest is frozen: no gradients, no Adam)
 
     @property
     def total(self) -> float:
@@ -129,9 +150,10 @@ _DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 
 
 def trainer_memory(s: ModelShape, stage_layers: list, sizes: dict, distributed_optimizer: bool,
-                   dtype: str) -> list[StageMemory]:
+                   dtype: str, lora=None) -> list[StageMemory]:
     """Per pipeline rank (stage_layers: [pp rank][virtual stage] -> ranges of global layers, as the dry run plans
-    them; sizes: tp pp cp ep etp dp expert-dp)."""
+    them; sizes: tp pp cp ep etp dp expert-dp). lora (models.lora.LoraConfig): frozen weights plus adapters, and
+    gradients and Adam state for the adapters only (they are dense parameters: sharded over dp x cp)."""
     weight_bytes = _DTYPE_BYTES[dtype]
     adam = 4 * 2 + (4 if weight_bytes < 4 else 0)  # two fp32 moments (+ the fp32 master copy of bf16 weights)
     dense_shards = sizes["dp"] * sizes["cp"] if distributed_optimizer else 1
@@ -142,9 +164,14 @@ def trainer_memory(s: ModelShape, stage_layers: list, sizes: dict, distributed_o
         layers = [layer for r in chunks for layer in r]
         dense, experts = stage_params(s, layers, rank == 0, rank == pp - 1, sizes["tp"], sizes["ep"], sizes["etp"],
                                       pp)
-        params = dense + experts
-        out.append(StageMemory(rank, len(layers), dense, experts, weights=params * weight_bytes,
-                               gradients=params * 4,
+        if lora is not None:
+            adapters = sum(adapter_params(s, layer, lora, sizes["tp"]) for layer in layers)
+            out.append(StageMemory(rank, len(layers), dense, experts, weights=(dense + experts + adapters) *
+                                   weight_bytes, gradients=adapters * 4, optimizer=adam * adapters / dense_shards,
+                                   adapter_params=adapters))
+            continue
+        out.append(StageMemory(rank, len(layers), dense, experts, weights=(dense + experts) * weight_bytes,
+                               gradients=(dense + experts) * 4,
                                optimizer=adam * (dense / dense_shards + experts / expert_shards)))
     return out
 
@@ -327,6 +354,8 @@ def format_memory(stages: list[StageMemory], engine: Optional[EngineMemory], siz
         where = f"pp rank {st.pp_rank} " if len(stages) > 1 else ""
         params = (f"{_b(st.dense_params)} dense + {_b(st.expert_params)} expert params" if st.expert_params else
                   f"{_b(st.dense_params)} params")
+        if st.adapter_params:
+            params += f" frozen + {_b(st.adapter_params)} LoRA adapter params (trainable)"
         lines.append(f"  trainer {where}({st.layers} layers): {params}: weights {_gb(st.weights)} + gradients "
                      f"{_gb(st.gradients)} + optimizer {_gb(st.optimizer)} = {_gb(st.total)}")
     if engine is not None:
@@ -351,4 +380,5 @@ def _gb(nbytes: float) -> str:
 
 
 def _b(params: float) -> str:
-    return f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.2f}M"
+    return f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.2f}M" if params >= 1e5 else \
+        f"{params / 1e3:.1f}K"

@@ -362,7 +362,8 @@ def plan(cfg, nnodes: int, gpus_per_node: int, *, config_path: str = "CONFIG", o
         missing = tuple(mem.missing_fields(shape))
         if not missing:
             dtype = "bfloat16" if on_gpu else "float32"
-            memory = mem.trainer_memory(shape, stage_layers, sizes, cfg.optim.distributed_optimizer, dtype)
+            memory = mem.trainer_memory(shape, stage_layers, sizes, cfg.optim.distributed_optimizer, dtype,
+                                        cfg.model.lora)
             if engines:
                 r = cfg.rollout
                 step_tokens = r.prompts_per_step * r.n_samples * (cfg.data.max_prompt_tokens + r.max_new_tokens)

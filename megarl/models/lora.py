@@ -128,6 +128,7 @@ class LoraAdapter(torch.nn.Module):
         self.group = layer.tp_group
         self.sequence_parallel = bool(layer.sequence_parallel)
         self.scale, self.enabled = cfg.scale, True
+        self.held = None  # (A, B) used instead of the parameters while set (held_adapters: the KL reference)
         # Dropout on the adapter's input, as PEFT. A column-parallel layer without sequence parallelism sees the same
         # x on every TP rank, and the masks agree only while the ranks' default RNG streams do (as for Megatron's
         # hidden dropout); elsewhere each rank drops its own tokens / input columns.
@@ -155,14 +156,15 @@ class LoraAdapter(torch.nn.Module):
                                                             reduce_from_tensor_model_parallel_region,
                                                             reduce_scatter_to_sequence_parallel_region)
 
-        h = torch.nn.functional.linear(self.dropout(x), self.A)
+        a, b = self.held if self.held is not None else (self.A, self.B)
+        h = torch.nn.functional.linear(self.dropout(x), a)
         if self.column:
             h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=self.group) \
                 if self.sequence_parallel else copy_to_tensor_model_parallel_region(h, group=self.group)
         else:
             h = reduce_scatter_to_sequence_parallel_region(h, group=self.group) \
                 if self.sequence_parallel else reduce_from_tensor_model_parallel_region(h, group=self.group)
-        return torch.nn.functional.linear(h, self.B) * self.scale
+        return torch.nn.functional.linear(h, b) * self.scale
 
     def delta_weight(self) -> torch.Tensor:
         """This rank's shard of the full weight delta scale * B @ A (the layer weight's own shard)."""
@@ -280,6 +282,32 @@ def adapters_disabled(chunks: list):
     finally:
         for a, was in zip(adapters, previous):
             a.enabled = was
+
+
+def initial_function(chunks: list):
+    """A context factory under which a LoRA policy computes its function as of now: the KL reference, made before
+    training starts, with no second model. Fresh adapters (B = 0 everywhere, the usual start): the base model with the
+    adapters off. Adapters that start trained (a LoRA checkpoint as model.load, a PEFT folder as model.lora.load): a
+    copy of their values now (the adapters' size), held on the side and used in place of the parameters inside the
+    block. A collective over the world: the ranks must agree, since an adapter that is off skips its TP collectives."""
+    adapters = [getattr(layer, ADAPTER) for _, _, layer in adapted_layers(chunks)]
+    trained = torch.tensor([float(any(bool(a.B.detach().any()) for a in adapters))])
+    dist.all_reduce(trained, op=dist.ReduceOp.MAX)
+    if not trained.item():
+        return lambda: adapters_disabled(chunks)
+    held = [(a.A.detach().clone(), a.B.detach().clone()) for a in adapters]
+
+    @contextlib.contextmanager
+    def held_adapters():
+        for adapter, values in zip(adapters, held):
+            adapter.held = values
+        try:
+            yield
+        finally:
+            for adapter in adapters:
+                adapter.held = None
+
+    return held_adapters
 
 
 # ------------------------------------------------------------------------------------------------------- PEFT

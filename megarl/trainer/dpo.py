@@ -61,7 +61,7 @@ class DPOTrainer(OfflineTrainer):
             return load_preference_pairs(self.section.data, self.tok, self.cfg.data)
 
     def build(self, policy) -> None:
-        self.ref = build_reference(policy.bridge, policy.chunks)  # the initial policy, before resumed weights load
+        self.ref = build_reference(policy)  # the initial policy, before resumed weights load
 
     def train_on(self, chosen: list) -> dict:
         d, pg, policy = self.section, self.pg, self.policy
@@ -71,8 +71,9 @@ class DPOTrainer(OfflineTrainer):
         # seq-mean-token-mean: every real row's weights sum to 1 / rows, so a pair (two rows) weighs 1 / pairs
         batch = prepare_global_batch(batch, "seq-mean-token-mean", dp_group=pg.dp, seq_multiple=pg.tp.size())
         with timer("ref"):
-            ref_lp = compute_log_probs(self.ref, batch, num_mb, policy.bridge.vocab_size, fused=d.fused_logprobs,
-                                       pg=pg)
+            with self.ref.active():
+                ref_lp = compute_log_probs(self.ref.model, batch, num_mb, policy.bridge.vocab_size,
+                                           fused=d.fused_logprobs, pg=pg)
             batch.ref_log_probs = ref_lp if ref_lp is not None else torch.zeros_like(batch.loss_mask)
         with timer("train"):
             metrics = train_step(policy.model, policy.optimizer, batch, num_mb, d, policy.bridge.vocab_size,

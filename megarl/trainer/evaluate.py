@@ -145,8 +145,8 @@ def run_eval(cfg, samples: int | None = None, responses: str | None = None, out:
 
 
 def forgetting_kl(policy_model, reference, sequences: list, pad_id: int, algo, vocab_size: int, pg) -> dict:
-    """eval/kl_to_initial (k3) and eval/kl_to_initial_k1: KL(policy || initial model) on this DP rank's share of
-    sampled (prompt ids, response ids, loss mask or None) responses, tool outputs excluded. A collective: a rank
+    """eval/kl_to_initial (k3) and eval/kl_to_initial_k1: KL(policy || initial model; reference: setup.Reference) on
+    this DP rank's share of sampled (prompt ids, response ids, loss mask or None) responses, tool outputs excluded. A collective: a rank
     without a sequence runs one row that counts nothing."""
     sequences = sequences or [([pad_id], [pad_id], [0])]
     ids, targets, mask = shift_sequences([p for p, _, _ in sequences], [r for _, r, _ in sequences], pad_id)
@@ -155,8 +155,10 @@ def forgetting_kl(policy_model, reference, sequences: list, pad_id: int, algo, v
     batch = TokenBatch(input_ids=ids, targets=targets, loss_mask=mask)
     args = dict(vocab_size=vocab_size, temperature=algo.temperature, fused=algo.fused_logprobs,
                 pack=algo.pack_sequences, pg=pg)
-    return kl_to_initial(compute_log_probs(policy_model, batch, 1, **args),
-                         compute_log_probs(reference, batch, 1, **args), mask, pg)
+    policy_log_probs = compute_log_probs(policy_model, batch, 1, **args)
+    with reference.active():  # a LoRA policy is its own reference: the adapters switch only here
+        initial_log_probs = compute_log_probs(reference.model, batch, 1, **args)
+    return kl_to_initial(policy_log_probs, initial_log_probs, mask, pg)
 
 
 def save_pass_at_k(curves: dict, run_dir: str) -> None:

@@ -34,7 +34,7 @@ from .evaluate import forgetting_kl, held_out_metrics, held_out_prompts, save_pa
 from .logging import MetricsLog, PhaseTimer
 from .preemption import StopRequest
 from .workers import RolloutWorkers
-from .setup import (build_critic, build_policy, build_reference, init_parallel, moe_config_overrides, offloaded,
+from .setup import (build_critic, build_policy, build_reference, init_parallel, moe_config_overrides,
                     prepare_model_folder, prompt_tools, resolve_load)
 
 
@@ -89,9 +89,9 @@ class RLTrainer:
             if folder.is_moe and cfg.rollout.engine_routing else None
         use_ref = cfg.rl.ref_model if cfg.rl.ref_model is not None else self.algorithm.kl_coef > 0 or \
             cfg.rl.forgetting_kl  # the reference is the initial model: the forgetting KL's anchor
-        self.ref = build_reference(self.bridge, self.policy.chunks) if use_ref else None
-        # GPU with rl.offload_ref: the reference lives in host memory except while it computes log-probs
-        self.ref_on_device = offloaded(self.ref, self.ref is not None and cfg.rl.offload_ref and platform.on_gpu())
+        # GPU with rl.offload_ref: the reference lives in host memory except while it computes log-probs (a LoRA
+        # policy is its own reference: no second model)
+        self.ref = build_reference(self.policy, cfg.rl.offload_ref and platform.on_gpu()) if use_ref else None
         self.critic = build_critic(self.bridge, self.policy.chunks, cfg.optim, cfg.rl.critic_lr, updates) \
             if self.algorithm.use_critic else None
         self.ckpt_root = os.path.join(cfg.run_dir, "checkpoints")
@@ -151,8 +151,8 @@ class RLTrainer:
             dump_train_rows(rb, folder, step, self.dp_rank, first=self.pg.tp.rank() == 0 and self.pg.pp.rank() == 0)
         with timer("ref"):  # 3. reference and old-policy log-probs of the engine's tokens
             if self.ref is not None:
-                with self.ref_on_device():
-                    batch.ref_log_probs = phases.log_probs(self.ref, rb, algo, self.bridge.vocab_size, pg)
+                with self.ref.active():
+                    batch.ref_log_probs = phases.log_probs(self.ref.model, rb, algo, self.bridge.vocab_size, pg)
         with timer("old_log_prob"):
             signals, old_entropy = self._old_log_probs(rb, engine_routing, step)
         if self.critic is not None:
@@ -250,9 +250,8 @@ class RLTrainer:
         sampled = on_rank0(lambda: [(list(s.prompt_ids), list(s.response_ids), s.loss_mask) for s in (
             self.side.rollout.generate(self.eval_records, 1, (cfg.seed, "forgetting", tag), cfg.rollout.temperature,
                                        cfg.rollout.max_new_tokens) if self.eval_records else [])]) or []
-        with self.ref_on_device():
-            return forgetting_kl(self.policy.model, self.ref, sampled[self.dp_rank::self.dp_size], self.tok.pad_id,
-                                 self.algorithm, self.bridge.vocab_size, self.pg)
+        return forgetting_kl(self.policy.model, self.ref, sampled[self.dp_rank::self.dp_size], self.tok.pad_id,
+                             self.algorithm, self.bridge.vocab_size, self.pg)
 
     # --------------------------------------------------------------------------------------------- the run
     def train(self) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -165,8 +166,8 @@ def build_critic(bridge: ModelBridge, policy_chunks: list, optim, lr: float, tot
 @torch.no_grad()
 def _copy_weights(source: list, target: list, skip: tuple = ()) -> None:
     """The source's current function into the target: a LoRA-adapted source layer gives its merged weight (the
-    target has no adapters), so a reference or critic made from a policy with trained adapters (a LoRA SFT
-    checkpoint, model.lora.load) starts from that policy, not from its frozen base."""
+    target has no adapters), so a critic made from a policy with trained adapters (a LoRA SFT checkpoint,
+    model.lora.load) starts from that policy, not from its frozen base."""
     from ..models.lora import merged_weight
 
     for src, dst in zip(source, target):
@@ -177,14 +178,29 @@ def _copy_weights(source: list, target: list, skip: tuple = ()) -> None:
                 tensor.copy_(merged_weight(values[name]))
 
 
-def build_reference(bridge: ModelBridge, policy_chunks: list) -> list:
-    """A frozen copy of the policy's current weights (the KL anchor), in eval mode with no gradients."""
-    chunks = bridge.build()
-    _copy_weights(policy_chunks, chunks)
+@dataclass
+class Reference:
+    """The KL anchor, the initial policy: its model chunks, and the context its forward passes run in
+    (`with ref.active(): compute_log_probs(ref.model, ...)`)."""
+    model: list
+    active: Callable[[], ContextManager]
+
+
+def build_reference(policy: Policy, offload: bool = False) -> Reference:
+    """The initial policy, frozen. Call before resumed weights load. Full fine-tuning: a copy of the policy's weights
+    in eval mode with no gradients (offload: kept in host memory outside `active`, see offloaded). A LoRA policy is
+    its own reference: the same model with its adapters as they are now (off when fresh), so the reference costs no
+    second model (models.lora.initial_function)."""
+    from ..models.lora import adapted_layers, initial_function
+
+    if any(True for _ in adapted_layers(policy.chunks)):
+        return Reference(policy.model, initial_function(policy.chunks))
+    chunks = policy.bridge.build()
+    _copy_weights(policy.chunks, chunks)
     for chunk in chunks:
         chunk.eval()
         chunk.requires_grad_(False)
-    return chunks
+    return Reference(chunks, offloaded(chunks, offload))
 
 
 def resolve_checkpoint(path: str) -> str:

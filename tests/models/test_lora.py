@@ -422,24 +422,35 @@ def test_plain_checkpoint_gets_fresh_adapters(tmp_path):
     assert out["trainable"] and all(".lora_adapter." in n for n in out["trainable"])
 
 
-def reference_of_adapted_policy(path: str) -> dict:
-    """build_reference from a policy whose adapters are trained (non-zero B): the reference is that policy."""
+def lora_reference(path: str, trained_start: bool) -> dict:
+    """build_reference of a LoRA policy, then its adapters change (as training changes them): the reference still
+    computes the policy as it was at build time - the base model when the adapters were fresh, the adapted policy
+    when they started trained (non-zero B) - and the policy outside the reference's context is the changed one."""
     from megarl.models.lora import LoraConfig, adapters_disabled
     from megarl.trainer.setup import build_reference
 
     policy = _policy(path, {}, LoraConfig(**LORA))
-    _set_nonzero_b(policy.chunks, policy.bridge)
-    ref = build_reference(policy.bridge, policy.chunks)
+    if trained_start:
+        _set_nonzero_b(policy.chunks, policy.bridge)
     with adapters_disabled(policy.chunks):
         base = _logits(policy.bridge, policy.chunks)
-    return {"policy": _logits(policy.bridge, policy.chunks), "ref": _logits(policy.bridge, ref), "base": base}
+    initial = _logits(policy.bridge, policy.chunks)
+    ref = build_reference(policy)
+    _set_nonzero_b(policy.chunks, policy.bridge, scale=0.3)  # "training" moved the adapters
+    with ref.active():
+        ref_logits = _logits(policy.bridge, ref.model)
+    return {"base": base, "initial": initial, "ref": ref_logits, "policy": _logits(policy.bridge, policy.chunks),
+            "shared": ref.model is policy.model}
 
 
 @pytest.mark.multirank
-def test_reference_copies_the_adapted_policy():
-    (out,) = run_ranks(1, reference_of_adapted_policy, tiny_model_dir("qwen2"))
-    assert _max_diff(out["ref"], out["policy"]) < 1e-5  # merged weights vs the adapter path: rounding only
-    assert _max_diff(out["ref"], out["base"]) > 1e-2
+@pytest.mark.parametrize("trained_start", [False, True], ids=["fresh", "trained"])
+def test_lora_reference_is_the_initial_policy_without_a_second_model(trained_start):
+    (out,) = run_ranks(1, lora_reference, tiny_model_dir("qwen2"), trained_start)
+    assert out["shared"]  # the policy's own model: no copy
+    assert _max_diff(out["ref"], out["initial"]) == 0.0
+    assert _max_diff(out["policy"], out["initial"]) > 1e-2  # the adapters did change
+    assert (_max_diff(out["initial"], out["base"]) == 0.0) != trained_start
 
 
 def grads_in_peft_names(path: str, layout: dict, folder: str) -> dict:
@@ -570,3 +581,48 @@ def test_resume_restores_adapter_optimizer_state(tmp_path):
     assert sorted(resumed) == sorted(straight)
     for key, (a, b) in straight.items():
         assert torch.equal(resumed[key][0], a) and torch.equal(resumed[key][1], b), key
+
+
+def adapter_count(path: str, layout: dict) -> dict:
+    from megarl.models.lora import LoraConfig, is_adapter_param
+
+    policy = _policy(path, layout, LoraConfig(**LORA))
+    named = [(n, p) for c in policy.chunks for n, p in c.named_parameters()]
+    return {"adapters": sum(p.numel() for n, p in named if is_adapter_param(n)),
+            "trainable": sum(p.numel() for _, p in named if p.requires_grad)}
+
+
+@pytest.mark.multirank
+def test_dry_run_adapter_estimate_equals_the_built_model():
+    """The dry run's LoRA numbers (megarl.launch.memory) against the adapters build_policy really makes on each TP2
+    rank: parameter count, and gradients + Adam state for those alone."""
+    import json
+    import os
+
+    from megarl.launch import memory
+    from megarl.models.hf import model_shape
+    from megarl.models.lora import LoraConfig
+
+    path = tiny_model_dir("qwen2")
+    built = run_ranks(2, adapter_count, path, {"tp": 2})
+    with open(os.path.join(path, "config.json")) as f:
+        shape = model_shape(json.load(f))
+    sizes = {"tp": 2, "pp": 1, "cp": 1, "ep": 1, "etp": 2, "dp": 1, "expert-dp": 1}
+    (st,) = memory.trainer_memory(shape, [[range(shape.num_layers)]], sizes, False, "float32", LoraConfig(**LORA))
+    (full,) = memory.trainer_memory(shape, [[range(shape.num_layers)]], sizes, False, "float32")
+    for rank in built:
+        assert rank["adapters"] == rank["trainable"] == st.adapter_params > 0
+    assert st.gradients == 4 * st.adapter_params and st.optimizer == 8 * st.adapter_params
+    assert st.weights == full.weights + 4 * st.adapter_params and st.total < full.total
+
+
+@pytest.mark.unit
+def test_dry_run_shows_lora_adapters():
+    from megarl.launch import dry_run
+
+    def run(*overrides):  # a preset whose model.shape is in the file: no model folder needed
+        return dry_run("train", "configs/qwen3_30b_a3b.yaml", list(overrides), nnodes=1, gpus_per_node=8, environ={},
+                       gpu_memory_gb=80)
+
+    text, plain = run("model.lora={rank: 16}"), run()
+    assert "LoRA adapter params (trainable)" in text and "LoRA" not in plain
