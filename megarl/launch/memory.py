@@ -86,24 +86,31 @@ def stage_params(s: ModelShape, layers, first: bool, last: bool, tp: int, ep: in
     return dense, experts
 
 
-def adapter_params(s: ModelShape, layer: int, lora, tp: int) -> float:
-    """LoRA parameters of one decoder layer on one GPU, in megarl.models.lora's layout: a column-parallel layer
-    (q/k/v fused, gate/up fused) holds A [r, in] whole and B [out / tp, r]; a row-parallel one (o, down) A [r, in / tp]
-    and B [out, r] whole. Which layers: models.lora.megatron_targets (a MoE layer's MLP is not a target)."""
+def adapter_params(s: ModelShape, layer: int, lora, tp: int, ep: int, etp: int) -> tuple[float, float]:
+    """(dense, expert) LoRA parameters of one decoder layer on one GPU, in megarl.models.lora's layout: a
+    column-parallel layer (q/k/v fused, gate/up fused, an expert's fc1) holds A [r, in] whole and B [out / tp, r]; a
+    row-parallel one (o, down, an expert's fc2) A [r, in / tp] and B [out, r] whole; experts over etp, ep of them
+    per GPU. Which layers: models.lora.valid_targets (dense MLP names on dense layers, experts.* on MoE layers)."""
     targets, r, h = set(lora.target_modules), lora.rank, s.hidden_size
     d = s.head_dim or h // s.num_attention_heads
     attention = s.num_attention_heads * d
-    total = 0.0
+    dense = experts = 0.0
     if targets & {"q_proj", "k_proj", "v_proj"}:
-        total += r * h + (attention + 2 * s.num_key_value_heads * d) * r / tp
+        dense += r * h + (attention + 2 * s.num_key_value_heads * d) * r / tp
     if "o_proj" in targets:
-        total += r * attention / tp + h * r
+        dense += r * attention / tp + h * r
     if not is_moe_layer(s, layer):
         if targets & {"gate_proj", "up_proj"}:
-            total += r * h + 2 * s.ffn_hidden_size * r / tp
+            dense += r * h + 2 * s.ffn_hidden_size * r / tp
         if "down_proj" in targets:
-            total += r * s.ffn_hidden_size / tp + h * r
-    return total
+            dense += r * s.ffn_hidden_size / tp + h * r
+        return dense, experts
+    ffn, local = s.moe_ffn_hidden_size, s.num_experts / ep
+    if "experts.gate_up_proj" in targets:
+        experts += local * (r * h + 2 * ffn * r / etp)
+    if "experts.down_proj" in targets:
+        experts += local * (r * ffn / etp + h * r)
+    return dense, experts
 
 
 def total_params(s: ModelShape) -> int:
@@ -153,7 +160,7 @@ def trainer_memory(s: ModelShape, stage_layers: list, sizes: dict, distributed_o
                    dtype: str, lora=None) -> list[StageMemory]:
     """Per pipeline rank (stage_layers: [pp rank][virtual stage] -> ranges of global layers, as the dry run plans
     them; sizes: tp pp cp ep etp dp expert-dp). lora (models.lora.LoraConfig): frozen weights plus adapters, and
-    gradients and Adam state for the adapters only (they are dense parameters: sharded over dp x cp)."""
+    gradients and Adam state for the adapters only (sharded as the weights they adapt)."""
     weight_bytes = _DTYPE_BYTES[dtype]
     adam = 4 * 2 + (4 if weight_bytes < 4 else 0)  # two fp32 moments (+ the fp32 master copy of bf16 weights)
     dense_shards = sizes["dp"] * sizes["cp"] if distributed_optimizer else 1
@@ -164,10 +171,13 @@ def trainer_memory(s: ModelShape, stage_layers: list, sizes: dict, distributed_o
         layers = [layer for r in chunks for layer in r]
         dense, experts = stage_params(s, layers, rank == 0, rank == pp - 1, sizes["tp"], sizes["ep"], sizes["etp"],
                                       pp)
-        if lora is not None:
-            adapters = sum(adapter_params(s, layer, lora, sizes["tp"]) for layer in layers)
+        if lora is not None:  # frozen weights; gradients and Adam for the adapters (expert ones over expert-dp)
+            pieces = [adapter_params(s, layer, lora, sizes["tp"], sizes["ep"], sizes["etp"]) for layer in layers]
+            a_dense, a_experts = sum(p[0] for p in pieces), sum(p[1] for p in pieces)
+            adapters = a_dense + a_experts
             out.append(StageMemory(rank, len(layers), dense, experts, weights=(dense + experts + adapters) *
-                                   weight_bytes, gradients=adapters * 4, optimizer=adam * adapters / dense_shards,
+                                   weight_bytes, gradients=adapters * 4,
+                                   optimizer=adam * (a_dense / dense_shards + a_experts / expert_shards),
                                    adapter_params=adapters))
             continue
         out.append(StageMemory(rank, len(layers), dense, experts, weights=(dense + experts) * weight_bytes,

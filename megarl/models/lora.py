@@ -23,6 +23,13 @@ none of them. In PEFT's format a fused adapter is one adapter per projection tha
 and v_proj is the same A, and lora_B of each is B's rows for that projection, in HF layout (mbridge's QKV / gate-up
 row mapping, the one used for the weights). B_q @ A is then exactly the q rows of the fused delta, so PEFT computes
 the same outputs. Importing needs the shared A (a PEFT adapter trained with separate q/k/v A's is refused).
+
+MoE models: `experts.gate_up_proj` and `experts.down_proj` (PEFT's target_parameters names of transformers' fused
+expert tensors) put one adapter on each routed expert's linear_fc1 / linear_fc2 (megatron-core's SequentialMLP),
+A seeded by the global expert index. Expert layers use the expert-TP group, and under expert TP / EP the token
+dispatcher does their communication (input gathered over expert TP, outputs summed): the adapter adds none of its own
+in the forward, and its whole factor's partial gradient is all-reduced over expert TP. A and B carry the layer
+weight's `allreduce` mark, so DDP reduces them over the expert-data-parallel group. PEFT's format for them: lora_moe.
 """
 from __future__ import annotations
 
@@ -39,11 +46,15 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
+from . import lora_moe
 
 # HF module name -> Megatron layer (path inside a decoder layer) that holds its weight
 HF_TO_MEGATRON = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.linear_qkv",
                   "v_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
-                  "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2"}
+                  "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2",
+                  # an MoE model's routed experts: PEFT's target_parameters names of transformers' fused expert tensors
+                  "experts.gate_up_proj": "mlp.experts.linear_fc1", "experts.down_proj": "mlp.experts.linear_fc2"}
+EXPERT_PATHS = ("mlp.experts.linear_fc1", "mlp.experts.linear_fc2")  # one adapter per local expert (lora_moe)
 ADAPTER = "lora_adapter"  # the adapter's submodule name on its linear layer (parameters: <layer>.lora_adapter.A / B)
 
 
@@ -76,13 +87,16 @@ class LoraConfig:
 
 
 def valid_targets(config) -> list[str]:
-    """The HF module names LoRA can target in a model with this TransformerConfig. MoE models: attention only (expert
-    layers have their own TP group and layout: not covered yet); multi-latent attention has no fused linear_qkv."""
+    """The HF module names LoRA can target in a model with this TransformerConfig. MoE models: attention and the routed
+    experts (experts.gate_up_proj, experts.down_proj; not yet the shared experts or the dense layers of a mixed model);
+    multi-latent attention has no fused linear_qkv."""
     names = []
     if not config.multi_latent_attention:
         names += ["q_proj", "k_proj", "v_proj", "o_proj"]
     if not config.num_moe_experts:
         names += ["gate_proj", "up_proj", "down_proj"] if config.gated_linear_unit else ["up_proj", "down_proj"]
+    elif config.gated_linear_unit:  # transformers' fused gate_up_proj exists for gated experts only
+        names += ["experts.gate_up_proj", "experts.down_proj"]
     return names
 
 
@@ -125,8 +139,11 @@ class LoraAdapter(torch.nn.Module):
         else:  # e.g. TransformerEngine's fused layer-norm linear: its input is not the normalised x the adapter needs
             raise LoraConfigError(f"LoRA adapters wrap megatron-core's local ColumnParallelLinear / RowParallelLinear; "
                                   f"{type(layer).__name__} is not supported yet")
-        self.group = layer.tp_group
-        self.sequence_parallel = bool(layer.sequence_parallel)
+        self.group = layer.tp_group  # an expert's: the expert-TP group
+        # An expert layer under expert TP / EP: the token dispatcher all-gathers its input over expert TP and sums its
+        # outputs (reduce-scatter), so the layer itself communicates nothing (see forward)
+        self.expert_comm = bool(getattr(layer, "explicit_expert_comm", False))
+        self.sequence_parallel = bool(layer.sequence_parallel) and not self.expert_comm
         self.scale, self.enabled = cfg.scale, True
         self.held = None  # (A, B) used instead of the parameters while set (held_adapters: the KL reference)
         # Dropout on the adapter's input, as PEFT. A column-parallel layer without sequence parallelism sees the same
@@ -149,6 +166,9 @@ class LoraAdapter(torch.nn.Module):
             set_tensor_model_parallel_attributes(self.A, True, 1, 1)
         if self.sequence_parallel:  # its gradient comes from this rank's tokens: finalize_model_grads sums it over TP
             whole.sequence_parallel = True
+        # megatron-core's mark for expert-parallel weights (allreduce=False): DDP puts them in its expert buffers,
+        # reduced over the expert-data-parallel group, and the optimizer in its expert param groups. As the layer's.
+        self.A.allreduce = self.B.allreduce = getattr(layer.weight, "allreduce", True)
 
     def forward(self, x):
         from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
@@ -157,6 +177,16 @@ class LoraAdapter(torch.nn.Module):
                                                             reduce_scatter_to_sequence_parallel_region)
 
         a, b = self.held if self.held is not None else (self.A, self.B)
+        if self.expert_comm:
+            # Column: x is the same on every expert-TP rank, h = A x too; B's rows give this rank's output columns.
+            # Row: h = A_r x_r is a partial sum and so is B h, which the dispatcher sums with the layer's output. In
+            # both the whole factor sees a partial gradient on each rank: its backward all-reduces it over expert TP
+            # (the input gradient stays partial: the dispatcher's gather backward sums it, as for the layer's own).
+            if self.column:
+                a = copy_to_tensor_model_parallel_region(a, group=self.group)
+            else:
+                b = copy_to_tensor_model_parallel_region(b, group=self.group)
+            return torch.nn.functional.linear(torch.nn.functional.linear(self.dropout(x), a), b) * self.scale
         h = torch.nn.functional.linear(self.dropout(x), a)
         if self.column:
             h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=self.group) \
@@ -237,17 +267,35 @@ def apply_lora(chunks: list, cfg: LoraConfig) -> list[LoraAdapter]:
         model.requires_grad_(False)
         for layer in model.decoder.layers:
             for path in paths:
-                linear = layer.get_submodule(path)
-                # seeded by the global layer number and module: the same A on every TP / PP / VPP layout
-                seed = zlib.crc32(f"{cfg.seed}:{layer.layer_number}:{path}".encode())
-                adapter = LoraAdapter(linear, cfg, torch.Generator().manual_seed(seed))
-                linear.add_module(ADAPTER, adapter)
-                linear.register_forward_hook(_add_adapter_output)
-                linear.sharded_state_dict = _sharded_state_dict_with_adapter(
-                    linear, swiglu=path == "mlp.linear_fc1" and config.gated_linear_unit)
-                linear.weight.lora_adapter = adapter  # ModelBridge exports the merged weight (merged_weight)
-                adapters.append(adapter)
+                for key, linear in _target_linears(layer, path):
+                    # seeded by the global layer number and module (and global expert index): the same A on every
+                    # TP / PP / VPP / EP layout
+                    seed = zlib.crc32(f"{cfg.seed}:{layer.layer_number}:{key}".encode())
+                    adapter = LoraAdapter(linear, cfg, torch.Generator().manual_seed(seed))
+                    linear.add_module(ADAPTER, adapter)
+                    linear.register_forward_hook(_add_adapter_output)
+                    linear.sharded_state_dict = _sharded_state_dict_with_adapter(
+                        linear, swiglu=path.endswith("linear_fc1") and config.gated_linear_unit)
+                    linear.weight.lora_adapter = adapter  # ModelBridge exports the merged weight (merged_weight)
+                    adapters.append(adapter)
     return adapters
+
+
+def _target_linears(layer, path: str) -> list:
+    """(seed key, linear layer) for one target path of a decoder layer. A routed-expert path names the fc1 / fc2 of
+    every local expert, keyed by its global expert index; a layer without routed experts (a dense layer of a mixed
+    model) has none."""
+    if path not in EXPERT_PATHS:
+        return [(path, layer.get_submodule(path))]
+    experts = getattr(layer.mlp, "experts", None)
+    if experts is None:
+        return []
+    if not hasattr(experts, "local_experts"):  # TransformerEngine's grouped GEMM keeps all experts in one tensor
+        raise LoraConfigError(f"LoRA on routed experts needs megatron-core's SequentialMLP (the local spec); "
+                              f"{type(experts).__name__} is not supported yet")
+    name = path.rsplit(".", 1)[1]
+    return [(f"{path}:{index}", getattr(expert, name))
+            for index, expert in zip(layer.mlp.local_expert_indices, experts.local_experts)]
 
 
 def is_adapter_param(name: str) -> bool:
@@ -357,31 +405,45 @@ def _grad(param: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def full_adapters(chunks: list, bridge, grads: bool = False):
     """(canonical weight name, column?, full A, full B) of every adapter on the rank that owns the layer's weight in
-    export_hf_weights (TP rank 0 of data-parallel replica 0), in Megatron's fused row layout. grads=True: their
-    gradients (main_grad under Megatron DDP). A collective over TP: every rank must iterate to the end."""
+    export_hf_weights (TP rank 0 of data-parallel replica 0; an expert's: expert-TP rank 0 of expert-data-parallel
+    replica 0), in Megatron's fused row layout. grads=True: their gradients (main_grad under Megatron DDP). A
+    collective over (expert) TP: every rank must iterate to the end."""
     from ..compat import mbridge as mbridge_compat
 
     for chunk, path, layer in adapted_layers(chunks):
         adapter = getattr(layer, ADAPTER)
         a, b = (_grad(adapter.A), _grad(adapter.B)) if grads else (adapter.A, adapter.B)
         canonical = bridge.canonical_name(chunk, f"{path}.weight")
+        # (an expert's adapter is split over the expert-TP group, its weight's owner is an expert-TP rank 0)
         if adapter.column:  # B split by output rows like the weight (its q/k/v groups, or its gate and up halves)
-            b = mbridge_compat.merge_across_tp(bridge.mb, canonical, _gather_tp(b, bridge.pg.tp), layer.weight)
+            b = mbridge_compat.merge_across_tp(bridge.mb, canonical, _gather_tp(b, adapter.group), layer.weight)
         else:  # A split by input columns
-            a = torch.cat(_gather_tp(a, bridge.pg.tp), dim=1)
+            a = torch.cat(_gather_tp(a, adapter.group), dim=1)
         if bridge.owner_rank(canonical) == dist.get_rank():
             yield canonical, adapter.column, a.detach().clone(), b.detach().clone()
 
 
-def peft_tensors(chunks: list, bridge) -> dict[str, torch.Tensor]:
-    """{PEFT key: tensor} for the adapters this rank owns (a collective over TP: every rank must call it)."""
-    out = {}
+def peft_tensors(chunks: list, bridge) -> tuple[dict[str, torch.Tensor], dict]:
+    """({PEFT key: tensor}, {(layer, expert tensor, global expert): (A, B)}) for the adapters this rank owns: routed
+    experts' adapters come per expert, for lora_moe.pack once every expert is at hand (a collective over (expert) TP:
+    every rank must call it)."""
+    out, experts = {}, {}
     for canonical, column, a, b in full_adapters(chunks, bridge):
+        expert = lora_moe.expert_of(canonical)
+        if expert is not None:
+            experts[expert] = (a, b)
+            continue
         names, bs = _rows_to_hf(bridge, canonical, b) if column else ([bridge.hf_names(canonical)[0]], [b])
         for name, b_part in zip(names, bs):
             out[f"{_peft_prefix(name)}.lora_A.weight"] = a.clone()  # one A per projection in PEFT's file
             out[f"{_peft_prefix(name)}.lora_B.weight"] = b_part
-    return out
+    return out, experts
+
+
+def _peft_target_lists(cfg: LoraConfig) -> tuple[list[str], list[str]]:
+    """cfg.target_modules as PEFT's (target_modules, target_parameters): routed experts are tensors, not modules."""
+    return ([n for n in sorted(cfg.target_modules) if not lora_moe.is_expert_target(n)],
+            [n for n in sorted(cfg.target_modules) if lora_moe.is_expert_target(n)])
 
 
 def export_peft(chunks: list, bridge, cfg: LoraConfig, folder: str) -> None:
@@ -393,17 +455,25 @@ def export_peft(chunks: list, bridge, cfg: LoraConfig, folder: str) -> None:
 
     from .checkpoint import publish_dir
 
+    modules, parameters = _peft_target_lists(cfg)
+    if parameters and cfg.dropout:
+        raise LoraConfigError(f"model.lora.dropout={cfg.dropout}: PEFT's LoRA on routed experts (target_parameters) "
+                              "has no dropout, so this adapter has no PEFT form. Fix: set model.lora.dropout: 0.0")
     mine = peft_tensors(chunks, bridge)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
-        tensors = {k: v.to(bridge.dtype).contiguous() for part in everyone for k, v in part.items()}
+        tensors = {k: v for dense, _ in everyone for k, v in dense.items()}
+        tensors.update(lora_moe.pack({k: v for _, experts in everyone for k, v in experts.items()},
+                                     bridge.config.num_moe_experts or 0, cfg.target_modules))
+        tensors = {k: v.to(bridge.dtype).contiguous() for k, v in tensors.items()}
         parent = os.path.dirname(os.path.abspath(folder)) or "."
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".megarl-peft-", dir=parent)
         try:
             peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                            target_modules=sorted(cfg.target_modules), bias="none", task_type="CAUSAL_LM",
+                            target_modules=modules, target_parameters=parameters or None, bias="none",
+                            task_type="CAUSAL_LM",
                             init_lora_weights="gaussian", base_model_name_or_path=bridge.hf.path).save_pretrained(tmp)
             save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
             publish_dir(tmp, folder)
@@ -424,10 +494,14 @@ def read_peft_config(folder: str) -> LoraConfig:
         unsupported["rank_pattern/alpha_pattern"] = "set"
     if not isinstance(c.get("target_modules"), list):
         unsupported["target_modules"] = c.get("target_modules")
+    # PEFT matches them as name suffixes: mlp.experts.gate_up_proj is experts.gate_up_proj
+    parameters = [p.removeprefix("mlp.") for p in c.get("target_parameters") or []]
+    if not all(lora_moe.is_expert_target(p) for p in parameters):
+        unsupported["target_parameters"] = c["target_parameters"]
     if unsupported:
         raise LoraConfigError(f"{folder}: PEFT adapter settings megarl cannot load: {unsupported}")
     return LoraConfig(rank=c["r"], alpha=c["lora_alpha"], dropout=c.get("lora_dropout", 0.0),
-                      target_modules=list(c["target_modules"]))
+                      target_modules=list(c["target_modules"]) + list(parameters))
 
 
 @torch.no_grad()
@@ -447,10 +521,23 @@ def load_peft(folder: str, chunks: list, bridge, cfg: LoraConfig) -> None:
     if differ:
         raise LoraConfigError(f"model.lora.load={folder}: adapter does not match model.lora ({'; '.join(differ)})")
     tensors = load_file(os.path.join(folder, "adapter_model.safetensors"))
-    tp, tp_rank = bridge.pg.tp.size(), bridge.pg.tp.rank()
     for chunk, path, layer in adapted_layers(chunks):
         adapter = getattr(layer, ADAPTER)
+        tp, tp_rank = adapter.group.size(), adapter.group.rank()  # an expert's: expert TP
         canonical = bridge.canonical_name(chunk, f"{path}.weight")
+        if lora_moe.expert_of(canonical) is not None:
+            try:
+                a, b = lora_moe.unpack(tensors, canonical, cfg.target_modules, bridge.config.num_moe_experts)
+            except KeyError as e:
+                raise LoraConfigError(f"{folder}: adapter tensors missing: {e.args[0]}") from None
+            if adapter.column:
+                adapter.A.copy_(a)
+                adapter.B.copy_(mbridge_compat.split_across_tp(bridge.mb, canonical, b.to(adapter.B.dtype),
+                                                               layer.weight, tp)[tp_rank])
+            else:
+                adapter.A.copy_(a.chunk(tp, dim=1)[tp_rank])
+                adapter.B.copy_(b)
+            continue
         prefixes = [_peft_prefix(n) for n in bridge.hf_names(canonical)]
         missing = [f"{p}.lora_{x}.weight" for p in prefixes for x in "AB" if f"{p}.lora_{x}.weight" not in tensors]
         if missing:

@@ -1,5 +1,6 @@
-"""LoRA adapters (megarl.models.lora): TP/PP layouts against TP1, frozen base, no-op init, adapters_disabled, PEFT
-export read by transformers + peft, load_peft, and the one-line refusals."""
+"""LoRA adapters (megarl.models.lora): TP/PP/EP layouts against TP1 (MoE: routed-expert adapters too), frozen base,
+no-op init, adapters_disabled, PEFT export read by transformers + peft (MoE experts: target_parameters), load_peft,
+and the one-line refusals."""
 import functools
 import math
 import types
@@ -21,10 +22,10 @@ def _set_nonzero_b(chunks, bridge, scale=0.1):
     from megarl.compat import mbridge as mbridge_compat
     from megarl.models.lora import ADAPTER, adapted_layers
 
-    tp, tp_rank = bridge.pg.tp.size(), bridge.pg.tp.rank()
     with torch.no_grad():
         for chunk, path, layer in adapted_layers(chunks):
             adapter = getattr(layer, ADAPTER)
+            tp, tp_rank = adapter.group.size(), adapter.group.rank()  # an expert's: expert TP
             canonical = bridge.canonical_name(chunk, f"{path}.weight")
             g = torch.Generator().manual_seed(zlib.crc32(canonical.encode()))
             full = scale * torch.randn(layer.output_size, adapter.B.shape[1], generator=g)
@@ -42,7 +43,7 @@ def _logits(bridge, chunks):
 def lora_layout(path: str, layout: dict, lora: dict = LORA) -> dict:
     """Base logits, LoRA logits at init (B = 0), with a non-zero B, under adapters_disabled; full adapter gradients of
     the next-token loss; which parameters an Adam step changed."""
-    from megarl.models.lora import LoraConfig, adapters_disabled, apply_lora, full_adapters
+    from megarl.models.lora import LoraConfig, adapted_layers, adapters_disabled, apply_lora, full_adapters
     from megarl.trainer.setup import make_optimizer, wrap_ddp
 
     _, bridge, chunks = ranks.build(path, **layout)
@@ -63,6 +64,10 @@ def lora_layout(path: str, layout: dict, lora: dict = LORA) -> dict:
     # chunk index + local name: with VPP two chunks of a rank share local names
     named = [(f"{i}:{n}", p) for i, c in enumerate(chunks) for n, p in c.named_parameters()]
     out["trainable"] = sorted(n for n, p in named if p.requires_grad)
+    # megatron-core's expert-parallel mark, adapter vs its layer's weight (DDP reduces allreduce=False over expert DP)
+    out["allreduce"] = {n: (getattr(p, "allreduce", True), getattr(layer.weight, "allreduce", True))
+                        for i, c in enumerate(chunks) for _, path, layer in adapted_layers([c])
+                        for n, p in ((f"{i}:{path}.A", layer.lora_adapter.A), (f"{i}:{path}.B", layer.lora_adapter.B))}
     model = wrap_ddp(chunks, pg=bridge.pg)
     optimizer, _ = make_optimizer(model, 1e-2, 0.0, 0, "constant", 10, pg=bridge.pg)
     optimizer.zero_grad()
@@ -83,15 +88,19 @@ LAYOUTS = {"tp1": ({}, 1), "tp2": ({"tp": 2}, 2), "tp2nosp": ({"tp": 2, "sequenc
            "pp2": ({"pp": 2}, 2), "pp2vpp2": ({"pp": 2, "vpp": 2}, 2), "tp2pp2": ({"tp": 2, "pp": 2}, 4)}
 
 
-ATTENTION = dict(LORA, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-MOE_LAYOUTS = {"tp1": ({}, 1), "tp2": ({"tp": 2}, 2), "ep2": ({"ep": 2}, 2)}
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]  # every routed expert's linear_fc1 / linear_fc2
+MOE_LORA = dict(LORA, target_modules=ATTENTION + EXPERTS)
+# tp2: expert TP 2 (etp defaults to tp); ep2: expert parallel with expert TP 1; tp2ep2: both (4 ranks, dp 2)
+MOE_LAYOUTS = {"tp1": ({}, 1), "tp2": ({"tp": 2}, 2), "ep2": ({"ep": 2}, 2), "pp2": ({"pp": 2}, 2),
+               "tp2ep2": ({"tp": 2, "ep": 2}, 4)}
 
 
 @functools.cache
 def _run(family, name):
     layout, world = (MOE_LAYOUTS if family == "qwen3_moe" else LAYOUTS)[name]
     return run_ranks(world, lora_layout, tiny_model_dir(family), layout,
-                     ATTENTION if family == "qwen3_moe" else LORA)
+                     MOE_LORA if family == "qwen3_moe" else LORA)
 
 
 def _last_stage(results, key):
@@ -106,9 +115,18 @@ def _max_diff(a, b):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("family,name", [(f, n) for f in ("qwen2", "qwen3") for n in LAYOUTS]
-                         + [("qwen3_moe", n) for n in MOE_LAYOUTS])  # MoE: attention adapters, experts frozen
+                         + [("qwen3_moe", n) for n in MOE_LAYOUTS])  # MoE: attention + routed-expert adapters
 def test_lora_layout(family, name):
     results = _run(family, name)
+    if family == "qwen3_moe":  # an adapter on each of the 4 experts' fc1 and fc2 in each of the 4 layers
+        experts = {k for r in results for k in r["grads"] if ".mlp.experts." in k}
+        assert len(experts) == 4 * 4 * 2 * 2, sorted(experts)
+        for r in results:
+            marks = r["allreduce"]
+            assert all(adapter == weight for adapter, weight in marks.values())
+            expert_marks = {mark for n, (mark, _) in marks.items() if ".local_experts." in n}
+            assert expert_marks == ({False} if "ep2" in name else {True})  # EP: reduced over expert DP
+            assert {mark for n, (mark, _) in marks.items() if ".local_experts." not in n} == {True}
     base, init, lora = (_last_stage(results, k) for k in ("base", "init", "lora"))
     # B = 0 at init: the adapted model is the base model, exactly
     assert _max_diff(init, base) == 0.0
@@ -135,12 +153,12 @@ def test_lora_layout(family, name):
     assert torch.allclose(torch.stack(losses), torch.stack(reference["losses"]), atol=1e-5)
 
 
-def lora_export(path: str, layout: dict, folder: str) -> dict:
+def lora_export(path: str, layout: dict, folder: str, lora: dict = LORA) -> dict:
     """Export a trained-looking adapter as PEFT, read it back into fresh adapters (load_peft); logits of both, and
     the merged HF weights export_hf_weights gives (what the rollout engine receives)."""
     from megarl.models.lora import LoraConfig, apply_lora, export_peft, load_peft, read_peft_config
 
-    cfg = LoraConfig(**LORA)
+    cfg = LoraConfig(**lora)
     _, bridge, chunks = ranks.build(path, **layout)
     apply_lora(chunks, cfg)
     _set_nonzero_b(chunks, bridge)
@@ -196,6 +214,59 @@ def test_peft_export_matches_transformers_peft(family, tmp_path):
         assert (tensor - ref_merged[key]).abs().max().item() < 1e-5, key
 
 
+def _experts_per_expert(hf: dict) -> dict:
+    """transformers' fused expert tensors (mlp.experts.gate_up_proj [experts, 2 * ffn, hidden], down_proj) under the
+    per-expert HF checkpoint names the bridge exports."""
+    out = {}
+    for key, t in hf.items():
+        if key.endswith(".mlp.experts.gate_up_proj"):
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2)
+                out[f"{key[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = gate
+                out[f"{key[:-len('gate_up_proj')]}{e}.up_proj.weight"] = up
+        elif key.endswith(".mlp.experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[f"{key[:-len('down_proj')]}{e}.down_proj.weight"] = t[e]
+        else:
+            out[key] = t
+    return out
+
+
+@pytest.mark.multirank
+def test_moe_expert_peft_export_matches_transformers_peft(tmp_path):
+    """Routed-expert adapters exported at TP2xEP2 (expert TP 2) in PEFT's target_parameters format: transformers + peft
+    compute the same logits and merge the same weights, and load_peft reads the folder back exactly."""
+    import json
+
+    from safetensors.torch import load_file
+
+    path, folder = tiny_model_dir("qwen3_moe"), str(tmp_path / "adapter")
+    results = run_ranks(4, lora_export, path, {"tp": 2, "ep": 2}, folder, MOE_LORA)
+    with open(f"{folder}/adapter_config.json") as f:
+        config = json.load(f)
+    assert sorted(config["target_modules"]) == sorted(ATTENTION) and sorted(config["target_parameters"]) == sorted(
+        EXPERTS)
+    tensors = load_file(f"{folder}/adapter_model.safetensors")
+    # attention: lora_A / lora_B per projection; experts: one pair per expert tensor holding all 4 experts
+    assert len(tensors) == 4 * (4 + 2) * 2
+    prefix = "base_model.model.model.layers.0.mlp.experts"
+    assert tensors[f"{prefix}.base_layer.lora_A.weight"].shape == (4 * 4, 64)  # gate_up_proj: [rank*experts, hidden]
+    assert tensors[f"{prefix}.base_layer.lora_B.weight"].shape == (2 * 32, 4 * 4)
+    assert tensors[f"{prefix}.lora_A.weight"].shape == (4 * 4, 32)  # down_proj (the outer wrapper)
+    ref_logits, ref_merged = _hf_peft(path, folder)
+    ours = next(r["logits"] for r in results if r["logits"] is not None)
+    assert ref_logits[0].abs().max() > 1.0
+    assert _max_diff(ours, ref_logits) < 1e-4
+    assert _max_diff(next(r["reloaded"] for r in results if r["reloaded"] is not None), ours) == 0.0
+    merged = {k: v for r in results for k, v in r["merged"].items()}
+    base, ref_merged = load_file(f"{path}/model.safetensors"), _experts_per_expert(ref_merged)
+    assert sorted(merged) == sorted(base)
+    key = "model.layers.0.mlp.experts.3.up_proj.weight"
+    assert (merged[key] - base[key]).abs().max() > 1e-3  # the expert export is merged
+    for key, tensor in merged.items():
+        assert (tensor - ref_merged[key]).abs().max().item() < 1e-5, key
+
+
 def policy_from_peft(path: str, folder: str) -> dict:
     """build_policy with model.lora.load = a PEFT folder; then the same folder with k_proj's lora_A changed."""
     from safetensors.torch import load_file, save_file
@@ -243,6 +314,32 @@ def test_load_peft_refuses_a_different_adapter_shape(tmp_path):
                             "['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj'])")
 
 
+@pytest.mark.unit
+def test_expert_adapter_peft_config(tmp_path):
+    """Routed-expert targets go to PEFT's target_parameters and come back as megarl targets; PEFT's expert wrapper
+    has no dropout, so such an adapter with dropout is refused in one line before anything is written."""
+    import peft
+
+    from megarl.models.lora import LoraConfig, LoraConfigError, export_peft, read_peft_config
+
+    peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"],
+                    target_parameters=["experts.gate_up_proj", "mlp.experts.down_proj"]
+                    ).save_pretrained(str(tmp_path / "ok"))
+    read = read_peft_config(str(tmp_path / "ok"))  # (PEFT writes target_modules in set order)
+    assert (read.rank, read.alpha, sorted(read.target_modules)) == (
+        4, 8, sorted(["q_proj", "k_proj", "v_proj", "experts.gate_up_proj", "experts.down_proj"]))
+    peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],  # one layer's experts only
+                    target_parameters=["model.layers.0.mlp.experts.gate_up_proj"]
+                    ).save_pretrained(str(tmp_path / "bad"))
+    with pytest.raises(LoraConfigError, match=r"PEFT adapter settings megarl cannot load: \{'target_parameters': "):
+        read_peft_config(str(tmp_path / "bad"))
+    with pytest.raises(LoraConfigError) as e:
+        export_peft([], None, LoraConfig(**dict(MOE_LORA, dropout=0.1)), str(tmp_path / "dropout"))
+    assert str(e.value) == ("model.lora.dropout=0.1: PEFT's LoRA on routed experts (target_parameters) has no dropout, "
+                            "so this adapter has no PEFT form. Fix: set model.lora.dropout: 0.0")
+    assert not (tmp_path / "dropout").exists()
+
+
 def _config(moe=False, mla=False, gated=True):
     return types.SimpleNamespace(num_moe_experts=4 if moe else None, multi_latent_attention=mla,
                                  gated_linear_unit=gated)
@@ -256,9 +353,12 @@ def test_bad_target_name_is_one_line_listing_valid_names():
         megatron_targets(LoraConfig(target_modules=["q_proj", "k_proj", "v_proj", "qkv"]), _config())
     assert str(e.value) == ("model.lora.target_modules: qkv not a LoRA target of this model; valid names: q_proj, "
                             "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
-    with pytest.raises(LoraConfigError) as e:  # an MoE model: expert MLPs are not targets
-        megatron_targets(LoraConfig(target_modules=["gate_proj", "up_proj"]), _config(moe=True))
-    assert "\n" not in str(e.value) and str(e.value).endswith("valid names: q_proj, k_proj, v_proj, o_proj")
+    with pytest.raises(LoraConfigError) as e:  # an MoE model: the experts are named as PEFT's target_parameters
+        megatron_targets(LoraConfig(target_modules=["gate_proj", "up_proj", "gate"]), _config(moe=True))
+    assert str(e.value) == ("model.lora.target_modules: gate_proj, up_proj, gate not a LoRA target of this model; "
+                            "valid names: q_proj, k_proj, v_proj, o_proj, experts.gate_up_proj, experts.down_proj")
+    assert megatron_targets(LoraConfig(target_modules=["experts.down_proj", "experts.gate_up_proj"]),
+                            _config(moe=True)) == ["mlp.experts.linear_fc2", "mlp.experts.linear_fc1"]
 
 
 @pytest.mark.unit
@@ -341,12 +441,12 @@ def test_optimizer_holds_adapters_only():
     assert lora["grad_buffer_bytes"] == 4 * lora["trainable"]
 
 
-def checkpoint_save(path: str, layout: dict, ckpt_root: str) -> dict:
+def checkpoint_save(path: str, layout: dict, ckpt_root: str, lora: dict = LORA) -> dict:
     """One LoRA step through build_policy, then a run checkpoint; the full adapters that were saved."""
     from megarl.models.lora import LoraConfig, full_adapters
     from megarl.trainer import checkpoint as ck
 
-    policy = _policy(path, layout, LoraConfig(**LORA))
+    policy = _policy(path, layout, LoraConfig(**lora))
     _set_nonzero_b(policy.chunks, policy.bridge)
     policy.optimizer.zero_grad()
     ranks.forward_backward(policy.bridge, policy.model, micro_batches=1)
@@ -355,12 +455,19 @@ def checkpoint_save(path: str, layout: dict, ckpt_root: str) -> dict:
     return {c: (a, b) for c, _, a, b in full_adapters(policy.chunks, policy.bridge)}
 
 
-def checkpoint_load(path: str, layout: dict, ckpt_root: str) -> dict:
+def checkpoint_load(path: str, layout: dict, ckpt_root: str, lora: dict = LORA) -> dict:
     from megarl.models.lora import LoraConfig, full_adapters
     from megarl.trainer import checkpoint as ck
 
-    policy = _policy(path, layout, LoraConfig(**LORA))
+    policy = _policy(path, layout, LoraConfig(**lora))
     ck.load_checkpoint(ck.latest_checkpoint(ckpt_root), policy.chunks, policy.optimizer, policy.scheduler)
+    return {c: (a, b) for c, _, a, b in full_adapters(policy.chunks, policy.bridge)}
+
+
+def checkpoint_model_load(path: str, ckpt_root: str, lora: dict) -> dict:
+    from megarl.models.lora import LoraConfig, full_adapters
+
+    policy = _policy(path, {}, LoraConfig(**lora), load=ckpt_root, optim=False)
     return {c: (a, b) for c, _, a, b in full_adapters(policy.chunks, policy.bridge)}
 
 
@@ -396,6 +503,21 @@ def test_checkpoint_reshards_adapters_tp2_to_tp1(tmp_path):
         assert torch.equal(as_load["adapters"][key][0], a) and torch.equal(as_load["adapters"][key][1], b), key
     assert as_load["refusal"].startswith("model checkpoint ") and as_load["refusal"].endswith(
         "holds LoRA adapters. Fix: set model.lora as in the run that wrote it")
+
+
+@pytest.mark.multirank
+def test_checkpoint_reshards_expert_adapters_tp2ep2_to_tp1(tmp_path):
+    """Expert adapters go through SequentialMLP's expert sharding (global expert index, expert-DP replicas): a TP2xEP2
+    run checkpoint, read as model.load (no optimizer: EP2's expert optimizer is a second chained optimizer that TP1
+    does not have), gives the same adapters at TP1."""
+    path, root = tiny_model_dir("qwen3_moe"), str(tmp_path / "ckpt")
+    saved = {k: v for r in run_ranks(4, checkpoint_save, path, {"tp": 2, "ep": 2}, root, MOE_LORA)
+             for k, v in r.items()}
+    (loaded,) = run_ranks(1, checkpoint_model_load, path, root, MOE_LORA)
+    assert sorted(loaded) == sorted(saved) and len(saved) == 4 * (2 + 4 * 2)
+    for key, (a, b) in saved.items():
+        assert torch.equal(loaded[key][0], a) and torch.equal(loaded[key][1], b), key
+        assert b.abs().max() > 0
 
 
 def plain_checkpoint_then_lora(path: str, ckpt_root: str) -> dict:
@@ -583,19 +705,23 @@ def test_resume_restores_adapter_optimizer_state(tmp_path):
         assert torch.equal(resumed[key][0], a) and torch.equal(resumed[key][1], b), key
 
 
-def adapter_count(path: str, layout: dict) -> dict:
+def adapter_count(path: str, layout: dict, lora: dict) -> dict:
     from megarl.models.lora import LoraConfig, is_adapter_param
 
-    policy = _policy(path, layout, LoraConfig(**LORA))
+    policy = _policy(path, layout, LoraConfig(**lora))
     named = [(n, p) for c in policy.chunks for n, p in c.named_parameters()]
     return {"adapters": sum(p.numel() for n, p in named if is_adapter_param(n)),
             "trainable": sum(p.numel() for _, p in named if p.requires_grad)}
 
 
 @pytest.mark.multirank
-def test_dry_run_adapter_estimate_equals_the_built_model():
-    """The dry run's LoRA numbers (megarl.launch.memory) against the adapters build_policy really makes on each TP2
-    rank: parameter count, and gradients + Adam state for those alone."""
+@pytest.mark.parametrize("family, layout, lora", [
+    ("qwen2", {"tp": 2}, LORA),
+    ("qwen3_moe", {"tp": 2, "ep": 2}, MOE_LORA),  # 4 ranks: expert adapters over ep x etp (etp = tp)
+], ids=["dense-tp2", "moe-tp2-ep2"])
+def test_dry_run_adapter_estimate_equals_the_built_model(family, layout, lora):
+    """The dry run's LoRA numbers (megarl.launch.memory) against the adapters build_policy really makes on each rank:
+    parameter count, and gradients + Adam state for those alone."""
     import json
     import os
 
@@ -603,12 +729,14 @@ def test_dry_run_adapter_estimate_equals_the_built_model():
     from megarl.models.hf import model_shape
     from megarl.models.lora import LoraConfig
 
-    path = tiny_model_dir("qwen2")
-    built = run_ranks(2, adapter_count, path, {"tp": 2})
+    path = tiny_model_dir(family)
+    world = layout["tp"] * layout.get("ep", 1) if family == "qwen3_moe" else layout["tp"]
+    built = run_ranks(world, adapter_count, path, layout, lora)
     with open(os.path.join(path, "config.json")) as f:
         shape = model_shape(json.load(f))
-    sizes = {"tp": 2, "pp": 1, "cp": 1, "ep": 1, "etp": 2, "dp": 1, "expert-dp": 1}
-    (st,) = memory.trainer_memory(shape, [[range(shape.num_layers)]], sizes, False, "float32", LoraConfig(**LORA))
+    sizes = {"tp": layout["tp"], "pp": 1, "cp": 1, "ep": layout.get("ep", 1), "etp": layout.get("etp", layout["tp"]),
+             "dp": world // layout["tp"], "expert-dp": 1}
+    (st,) = memory.trainer_memory(shape, [[range(shape.num_layers)]], sizes, False, "float32", LoraConfig(**lora))
     (full,) = memory.trainer_memory(shape, [[range(shape.num_layers)]], sizes, False, "float32")
     for rank in built:
         assert rank["adapters"] == rank["trainable"] == st.adapter_params > 0
