@@ -19,16 +19,17 @@ class SkippedSteps:
         self.limit, self.in_a_row = limit, 0
 
     def count(self, metrics: dict, where: str) -> None:
-        """metrics: one train_step's; where: the step as the user reads it (e.g. "RL step 7, update 2 of 4")."""
+        """metrics: one train_step's; where: the step as the user reads it (e.g. "RL step 7, epoch 1, mini-batch 2")."""
         if not metrics.get("skipped_updates"):
             self.in_a_row = 0
             return
         self.in_a_row += 1
         if self.in_a_row >= self.limit:
             # rank 0 says it, the others raise it quietly (megarl.cli prints a RemoteUserError from no rank but 0)
+            loss, steps = metrics.get("loss", float("nan")), "steps" if self.in_a_row > 1 else "step"
             agree(NonFiniteTraining(
-                f"rl.max_skipped_steps={self.limit}: {self.in_a_row} optimizer step{'s' * (self.in_a_row > 1)} in a "
-                f"row had a non-finite loss or gradient, the last at {where} (loss {metrics.get('loss', float('nan')):.4g}); each was skipped, "
+                f"rl.max_skipped_steps={self.limit}: {self.in_a_row} optimizer {steps} in a row had a non-finite "
+                f"loss or gradient, the last at {where} (loss {loss:.4g}); each was skipped, "
                 "so the weights, the engines and the checkpoints hold the last finite step. Fix: lower optim.lr (or "
                 "optim.clip_grad), check the rewards and data of those steps, then resume from the last checkpoint "
                 "(or allow more skips in a row with rl.max_skipped_steps)"))

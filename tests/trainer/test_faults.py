@@ -59,8 +59,10 @@ def _nan_steps(path, batch):
     pg = bridge.pg
     model = wrap_ddp(chunks, pg=pg)
     optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 0, "constant", 10, pg=pg)
-    step = lambda b: train_step(model, optimizer, prepare_global_batch(b, CFG.aggregation, CFG.norm_length, pg=pg),  # noqa: E731
-                                2, CFG, bridge.vocab_size, pg=pg)
+    def step(b):
+        return train_step(model, optimizer, prepare_global_batch(b, CFG.aggregation, CFG.norm_length, pg=pg), 2, CFG,
+                          bridge.vocab_size, pg=pg)
+
     state = lambda: (_weights(chunks), copy.deepcopy(optimizer.state_dict()))  # noqa: E731
     out, skips = {"skipped": [], "unchanged": [], "error": None}, SkippedSteps(2)
 
