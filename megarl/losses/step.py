@@ -137,7 +137,10 @@ def forward_backward(model, global_batch: TokenBatch, num_microbatches: int, cfg
 
 def train_step(model, optimizer, global_batch: TokenBatch, num_microbatches: int, cfg, vocab_size: int,
                objective: str = "rl", pack: bool | None = None, *, pg) -> dict:
-    """zero grads -> forward/backward over the micro-batches -> optimizer step; globally reduced metrics.
+    """zero grads -> forward/backward over the micro-batches -> optimizer step; globally reduced metrics. A non-finite
+    loss or gradient on any rank skips the optimizer step on every rank (weights and optimizer state stay bit-exact
+    as they were; metrics: skipped_updates 1.0, grad_norm nan); counting skips in a row is the caller's
+    (megarl.trainer.numerics).
 
     model: the Megatron-DDP-wrapped model (one module or its virtual-pipeline chunks) whose config has
     finalize_model_grads_func set (megarl.trainer.setup.wrap_ddp does both): the schedule then reduces gradients
@@ -149,11 +152,37 @@ def train_step(model, optimizer, global_batch: TokenBatch, num_microbatches: int
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     per_microbatch = forward_backward(model, global_batch, num_microbatches, cfg, vocab_size, objective, pack, pg=pg)
-    updated, grad_norm, _ = optimizer.step()
+    # megatron-core skips a step only under fp16 loss scaling; in bf16/fp32 Adam would take a NaN gradient into the
+    # weights and the moments for good. So no rank steps unless every rank's loss and gradients are finite. (megarl
+    # builds bf16/fp32 optimizers only: under fp16 this check would hide an overflow from megatron's loss scaler.)
+    finite = finite_on_every_rank(model, per_microbatch)
+    updated, grad_norm, _ = optimizer.step() if finite else (False, None, None)
     metrics = reduce_metrics(per_microbatch, pg)
     metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                   update_successful=float(bool(updated)), lr=float(optimizer.param_groups[0]["lr"]))
+                   update_successful=float(bool(updated)), skipped_updates=float(not finite),
+                   lr=float(optimizer.param_groups[0]["lr"]))
     return metrics
+
+
+def finite_on_every_rank(model: list, per_microbatch: list | None) -> bool:
+    """True when this rank's losses (last pipeline stage) and gradient buffers hold no NaN / inf, and so does every
+    other rank's: one all-reduce (MAX) of a flag over the world, so all ranks skip or step together (a NaN in a
+    TP-sharded gradient reaches no other rank by itself). A collective.
+
+    Each gradient buffer is summed rather than tested element-wise: a sum carries any NaN / inf, reads the buffer once
+    and allocates nothing the size of the model. It also flags finite gradients so large that their sum overflows;
+    their norm overflows before that, so skipping them is right too."""
+    import torch.distributed as dist
+
+    sums = [m["loss"].detach().float().sum() for m in per_microbatch or [] if "loss" in m]
+    for chunk in model:
+        buffers = getattr(chunk, "buffers", []) + getattr(chunk, "expert_parallel_buffers", [])  # Megatron DDP's
+        sums += [buffer.grad_data.sum(dtype=torch.float32) for buffer in buffers]
+    device = sums[0].device if sums else torch.device("cuda" if platform.on_gpu() else "cpu")
+    bad = torch.stack([~torch.isfinite(x) for x in sums]).any().float().reshape(1) if sums \
+        else torch.zeros(1, device=device)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bool(bad.item())
 
 
 @torch.no_grad()

@@ -385,9 +385,14 @@ class RLConfig:
     # generated entirely by the weights of step t - 1 - max_staleness), reproducible with rollout.deterministic.
     max_staleness: int = 0
     partial_rollouts: bool = True
+    # An optimizer step whose loss or gradient norm is not finite (NaN / inf on any rank) is skipped on every rank
+    # (counted: skipped_updates); this many skipped in a row (optimizer steps: an RL step makes ppo_epochs x
+    # mini_batches of them) stop the run with one line. 1: stop at the first. SFT and DPO read it too.
+    max_skipped_steps: int = 3
 
     def __post_init__(self):
-        _at_least("rl", self, ("steps", "ppo_epochs", "mini_batches", "max_tokens_per_microbatch"))
+        _at_least("rl", self, ("steps", "ppo_epochs", "mini_batches", "max_tokens_per_microbatch",
+                               "max_skipped_steps"))
         if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ConfigError(f"rl.max_staleness must be an integer >= 0 (0: synchronous steps), "
                               f"got {self.max_staleness!r}. Fix: rl.max_staleness=0, or 1 (one step ahead)")
@@ -481,9 +486,14 @@ class ReshardConfig:
 @dataclass
 class CheckpointConfig:
     save_every: int = 0  # steps; 0: only at the end
+    # the newest checkpoints kept; older ones are removed once a new one is complete (0: keep all). The disk must hold
+    # keep + 1 of them while one is written.
     keep: int = 2
     resume: bool = True  # continue from <run_dir>/checkpoints/latest when it exists
     export_hf: bool = True  # write <run_dir>/hf at the end (servable HF folder)
+
+    def __post_init__(self):
+        _at_least("checkpoint", self, ("save_every", "keep"), low=0)
 
 
 @dataclass

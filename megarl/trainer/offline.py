@@ -16,6 +16,7 @@ from ..config import to_dict
 from ..data import ChatTokenizer
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .logging import MetricsLog
+from .numerics import SkippedSteps
 from .setup import Policy, build_policy, init_parallel, prepare_model_folder, resolve_load
 
 
@@ -89,7 +90,7 @@ class OfflineTrainer:
         if log is not None:
             log.truncate_after(step)
         per_epoch = max(1, len(self.items) // s.batch_size)
-        history = []
+        history, skips = [], SkippedSteps(cfg.rl.max_skipped_steps)  # train_step skips a non-finite step
         while step < s.steps:
             step += 1
             epoch, index = divmod(step - 1, per_epoch)
@@ -98,6 +99,7 @@ class OfflineTrainer:
             history.append(metrics)
             if log is not None:
                 log.log(step, metrics, show=self.show)
+            skips.count(metrics, f"{self.name} step {step}")  # after the log: the stopping step is in the metrics too
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < s.steps:
                 save_checkpoint(ckpt_root, step, policy.chunks, policy.optimizer, policy.scheduler, {},
                                 keep=cfg.checkpoint.keep)

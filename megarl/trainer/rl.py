@@ -32,6 +32,7 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import fleet_spec, rl_algorithm, rollout_inputs
 from .evaluate import forgetting_kl, held_out_metrics, held_out_prompts, save_pass_at_k
 from .logging import MetricsLog, PhaseTimer
+from .numerics import SkippedSteps
 from .preemption import StopRequest
 from .workers import RolloutWorkers
 from .setup import (build_critic, build_policy, build_reference, init_parallel, moe_config_overrides,
@@ -96,6 +97,7 @@ class RLTrainer:
             if self.algorithm.use_critic else None
         self.ckpt_root = os.path.join(cfg.run_dir, "checkpoints")
         self.step, self.state = 0, {}
+        self.skips = SkippedSteps(cfg.rl.max_skipped_steps)  # non-finite updates in a row (megarl.trainer.numerics)
         self._start_rollout_side()
         self._resume()
         self.log = MetricsLog(cfg.run_dir, to_dict(cfg), cfg.logging.wandb, cfg.logging.project,
@@ -164,7 +166,8 @@ class RLTrainer:
             signals.update(metrics.opd_reverse_kl(batch.returns, batch.loss_mask, pg))
         with timer("train"):  # 5. rl.ppo_epochs x rl.mini_batches optimizer steps through Megatron's schedule
             trained = phases.update(self.policy, self.critic, rb, algo, cfg.rl, self.bridge.vocab_size, pg,
-                                    seed=cfg.seed * 1_000_003 + step, old_entropy=old_entropy)
+                                    seed=cfg.seed * 1_000_003 + step, old_entropy=old_entropy, skips=self.skips,
+                                    step=step)
         with timer("reshard"):  # 6. the engines get the new weights (verified first and every reshard.verify_every)
             synced = self.sync_weights(step)
         return self._step_metrics(trained, signals, timer, synced, received, start)

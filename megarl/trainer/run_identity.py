@@ -21,6 +21,7 @@ MAY_CHANGE = (
     "run_dir", "rl.steps", "sft.steps", "dpo.steps",  # how long: a resumed run goes on to the new count
     "rl.eval_every", "rl.eval_samples", "rl.eval_temperature", "rl.dump_rollouts", "rl.log_update_sparsity",
     "rl.forgetting_kl",  # what is measured and written
+    "rl.max_skipped_steps",  # when a run that keeps producing NaNs stops (a finite run never reads it)
     "rl.max_tokens_per_microbatch", "sft.max_tokens_per_microbatch", "dpo.max_tokens_per_microbatch",
     "rl.offload_ref", "algorithm.fused_logprobs",  # how a step is computed, not what (tested layout-invariant)
     "rollout.engine", "rollout.request_size", "rollout.workers", "rollout.placement",  # where the engines run

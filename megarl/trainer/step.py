@@ -21,6 +21,7 @@ from .async_rollout import RolloutBatch
 from .batching import RankBatch
 from .dispatch import dispatch
 from .metrics import mean_of_updates
+from .numerics import SkippedSteps
 
 
 def dispatch_rank_batch(rollout: RolloutBatch | None, step: int, groups, sources, pad_id: int,
@@ -90,11 +91,13 @@ def _global(batch, algo, pg):
 
 
 def update(policy, critic, rank_batch: RankBatch, algo, rl, vocab_size: int, pg, seed: int,
-           old_entropy: torch.Tensor | None) -> dict:
+           old_entropy: torch.Tensor | None, skips: SkippedSteps | None = None, step: int = 0) -> dict:
     """rl.ppo_epochs x rl.mini_batches optimizer steps (Lopti: two phases per mini-batch, each its own optimizer step
     normalised by its own global token count; the phases share the mini-batch's learning rate), the critic's value
     steps beside them. Returns the updates' metrics averaged (and with rl.log_update_sparsity, the share of parameters
-    the updates changed)."""
+    the updates changed), except skipped_updates: how many of the policy's updates train_step skipped for a
+    non-finite loss or gradient. skips: counts those in a row and stops the run at rl.max_skipped_steps (step: the RL
+    step, for its message)."""
     batch = rank_batch.batch
     tracker = UpdateSparsity(policy.chunks, pg, vocab_size).snapshot() if rl.log_update_sparsity else None
     rows, num_mb = batch.input_ids.shape[0] // rl.mini_batches, max(1, rank_batch.num_microbatches // rl.mini_batches)
@@ -108,6 +111,9 @@ def update(policy, critic, rank_batch: RankBatch, algo, rl, vocab_size: int, pg,
             for phase in phases:
                 updates.append(train_step(policy.model, policy.optimizer, _global(phase, algo, pg), num_mb, algo,
                                           vocab_size, pg=pg))
+                if skips is not None:
+                    skips.count(updates[-1], f"RL step {step}, epoch {epoch + 1}, mini-batch {k + 1}")
+            # a skipped update still advances the LR schedule: it is sized and resumed by the update's index
             policy.scheduler.step(1)
             if critic is not None:
                 value = train_step(critic.model, critic.optimizer, _global(batch.rows(part), algo, pg), num_mb,
@@ -116,6 +122,7 @@ def update(policy, critic, rank_batch: RankBatch, algo, rl, vocab_size: int, pg,
                 for metrics in updates[-len(phases):]:
                     metrics.update({f"critic/{name}": v for name, v in value.items()})
     out = mean_of_updates(updates)
+    out["skipped_updates"] = sum(u["skipped_updates"] for u in updates)  # a count, not a mean: a skip is a fault
     if tracker is not None:
         changed, total = tracker.changed()
         out["dynamics/update_changed_frac"] = changed / max(total, 1.0)

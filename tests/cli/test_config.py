@@ -53,6 +53,10 @@ def test_semantic_validation_names_field_and_fix():
         load_train_config(None, ["model.path=x", "rollout.temperature=0.7"])
     with pytest.raises(ConfigError, match="prompts_per_step=6 must be divisible by rl.mini_batches=4"):
         load_train_config(None, ["model.path=x", "rollout.prompts_per_step=6", "rl.mini_batches=4"])
+    with pytest.raises(ConfigError, match=r"rl.max_skipped_steps must be >= 1, got 0. Fix"):
+        load_train_config(None, ["model.path=x", "rl.max_skipped_steps=0"])
+    with pytest.raises(ConfigError, match=r"checkpoint.keep must be >= 0, got -1. Fix"):
+        load_train_config(None, ["model.path=x", "checkpoint.keep=-1"])
 
 
 def test_shipped_presets_load():
