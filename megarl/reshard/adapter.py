@@ -4,7 +4,8 @@ The policy engines start from the same HF folder as the trainer with LoRA enable
 --enable-lora, model.lora's rank and target modules), so they hold the frozen base weights already. Each sync:
 
 1. gathers the adapters in PEFT's layout (megarl.models.lora.peft_tensors: a collective over TP; each layer's owner
-   holds its full A and B) and sends them to rank 0 (they are small: rank x (in + out) per adapted layer);
+   holds its full A and B) and sends them to rank 0 (they are small: rank x (in + out) per adapted layer), which
+   zero-pads them to the engine's layout (engine_layout);
 2. rank 0 loads them into the engine from shared memory (SGLang's /load_lora_adapter_from_tensors, one serialised
    copy per engine TP rank, as the tensor transport sends buckets) under the sync's version name;
 3. every rank's client names that adapter in its generation requests from then on (EngineClient.adapter), and rank 0
@@ -24,6 +25,7 @@ from ..errors import on_rank0
 from ..models.lora import LoraConfig, peft_tensors
 from ..rollout.client import EngineClient
 from ..rollout.server import EngineError
+from .verify import EngineShapes, engine_shapes, shard_rule
 
 
 def peft_config_dict(lora: LoraConfig) -> dict:
@@ -32,6 +34,27 @@ def peft_config_dict(lora: LoraConfig) -> dict:
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
             "lora_dropout": lora.dropout, "target_modules": sorted(lora.target_modules), "bias": "none",
             "use_dora": False, "use_rslora": False}
+
+
+def engine_layout(peft_name: str, tensor: torch.Tensor, shapes: EngineShapes) -> torch.Tensor:
+    """A PEFT tensor in the engine's padded layout. SGLang sizes its LoRA buffers by the base layer's padded
+    dimensions (the CPU engine zero-pads intermediate_size to a multiple of 32 x TP and head counts TP does not divide:
+    megarl.reshard.verify.engine_shapes) and refuses another shape (sglang/srt/lora/mem_pool.py,
+    load_lora_weight_tensor: "LoRA buffer shape ... does not match weight shape", an assertion that kills the
+    scheduler). The padding sits at the end of the whole tensor, as in the base weight (verify.rank_slice): B's rows
+    when the base weight is padded along its outputs, A's columns when along its inputs. Padded units are zero in the
+    base weights, so zeros there leave the outputs unchanged."""
+    module, kind = peft_name.rsplit(".lora_", 1)
+    rule = shard_rule(module.removeprefix("base_model.model.") + ".weight", shapes)
+    if rule is None:
+        return tensor.contiguous()
+    dim, padded = rule  # of the base weight [out, in]; lora_B is [out, r], lora_A [r, in]
+    axis = 0 if kind.startswith("B") and dim == 0 else 1 if kind.startswith("A") and dim == 1 else None
+    if axis is None or tensor.shape[axis] >= padded:
+        return tensor.contiguous()
+    pad = [0, 0, 0, 0]
+    pad[1 if axis == 1 else 3] = padded - tensor.shape[axis]  # F.pad: (last dim left, right, first dim left, right)
+    return torch.nn.functional.pad(tensor, pad).contiguous()
 
 
 class AdapterTransport:
@@ -43,6 +66,7 @@ class AdapterTransport:
 
     def __init__(self, client: EngineClient, lora: LoraConfig, engine_tp: int = 1):
         self.client, self.lora, self.engine_tp = client, lora, engine_tp
+        self.shapes: EngineShapes | None = None
 
     def setup(self, owners: list[int]) -> None:
         # SGLang on CPU: CPU tensors must be shared through files, or its scheduler rejects the handle.
@@ -57,7 +81,9 @@ class AdapterTransport:
         dist.gather_object(mine, everyone, dst=0)
 
         def load() -> int:
-            tensors = {name: t.to(source.dtype(name)).contiguous() for part in everyone for name, t in part.items()}
+            shapes = self._engine_shapes(source.bridge.hf.config)
+            tensors = {name: engine_layout(name, t.to(source.dtype(name)), shapes)
+                       for part in everyone for name, t in part.items()}
             self._load(version, tensors)
             return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -69,6 +95,15 @@ class AdapterTransport:
         dist.barrier()
         on_rank0(lambda: self._unload_all_but(version))
         return (pushed, 1) if dist.get_rank() == 0 else (0, 0)
+
+    def _engine_shapes(self, hf_config) -> EngineShapes:
+        """The engine's padded layout (megarl.reshard.verify.engine_shapes), its TP size and device as it reports
+        them (/server_info), asked once."""
+        if self.shapes is None:
+            info = self.client.call("/server_info", method="GET")
+            self.shapes = engine_shapes(hf_config, int(info.get("tp_size") or self.engine_tp),
+                                        cpu=info.get("device", "cpu") == "cpu")
+        return self.shapes
 
     def _load(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         from sglang.srt.utils import MultiprocessingSerializer

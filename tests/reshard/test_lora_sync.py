@@ -15,16 +15,24 @@ from megarl.testing import run_ranks, tiny_model_dir
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = dict(rank=4, alpha=8.0, target_modules=TARGETS)
 FIXED = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]]
+# intermediate_size 176: SGLang's CPU engine zero-pads it to 192 (a multiple of 32), and so sizes its LoRA buffers of
+# gate/up (B's rows) and down (A's columns); an adapter sent unpadded kills the engine's scheduler
+SHAPE = {"intermediate_size": 176}
+
+
+def _model() -> str:
+    return tiny_model_dir("qwen2", **SHAPE)
 
 
 # ------------------------------------------------------------------------------------------------- engine tests
 @pytest.fixture(scope="module")
 def lora_engine(tmp_path_factory):
-    """The tiny Qwen2 served with LoRA enabled as an adapter-sync run starts it (ServerConfig.lora_rank / targets)."""
+    """The tiny Qwen2 (intermediate 176) served with LoRA enabled as an adapter-sync run starts it
+    (ServerConfig.lora_rank / targets)."""
     from megarl.rollout import ServerConfig, SGLangServer
 
-    server = SGLangServer(ServerConfig(model_path=tiny_model_dir("qwen2"), log_dir=str(tmp_path_factory.mktemp("lora")),
-                                       lora_rank=4, lora_target_modules=TARGETS)).start()
+    server = SGLangServer(ServerConfig(model_path=_model(), log_dir=str(tmp_path_factory.mktemp("lora")), lora_rank=4,
+                                       lora_target_modules=TARGETS)).start()
     try:
         yield server
     finally:
@@ -108,12 +116,13 @@ def _peft_log_probs(path: str, folder: str) -> torch.Tensor:
 
 
 def _adapter_bytes(path: str) -> int:
-    """rank x (in + out) fp32 numbers per adapted projection and layer, from the HF config."""
+    """rank x (in + out) fp32 numbers per adapted projection and layer, from the HF config, with intermediate_size
+    as the CPU engine pads it (to a multiple of 32 at engine TP 1)."""
     import json
 
     with open(os.path.join(path, "config.json")) as f:
         c = json.load(f)
-    h, inter, r = c["hidden_size"], c["intermediate_size"], LORA["rank"]
+    h, inter, r = c["hidden_size"], -(-c["intermediate_size"] // 32) * 32, LORA["rank"]
     head_dim = c.get("head_dim") or h // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
     shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
@@ -126,10 +135,10 @@ def _adapter_bytes(path: str) -> int:
 def test_adapter_sync_gives_the_engine_the_trainers_log_probs(lora_engine, layout, tmp_path):
     """A trainer (TP1, TP2) with non-zero adapters on all seven projections syncs them into the LoRA engine twice:
     each time the engine's log-probs through the adapter equal the trainer's (on its own samples and on fixed
-    sequences), the built-in probe verification passes, the pushed bytes are exactly the adapters', and the engine
-    holds only the newest adapter. The engine equals transformers + peft on the exported adapter, and its base model
+    sequences), the built-in probe verification passes, the pushed bytes are exactly the adapters' in the engine's
+    padded layout, and the engine holds only the newest adapter. The engine equals transformers + peft on the exported adapter, and its base model
     (a request naming no adapter) is still the HF folder's."""
-    path = tiny_model_dir("qwen2")
+    path = _model()
     seed = 7 + len(layout)
     world = layout.get("tp", 1)
     folder = str(tmp_path / "peft")
@@ -275,3 +284,27 @@ def test_lora_sync_refusals_are_one_line(sections, message):
 def test_merged_lora_sync_and_disaggregated_engines_are_accepted():
     _config(model=LORA_SECTION, rollout={"placement": "disaggregated", "engine": {"nodes": 1}},
             reshard={"transport": "distributed", "lora_sync": "merged"})
+
+
+@pytest.mark.unit
+def test_adapters_are_zero_padded_like_the_engines_base_layers():
+    """The CPU engine at TP 3 pads 4 query / 2 kv heads to 6 / 3 and intermediate 176 to 192 (engine_shapes): B's
+    rows of q/k/v/gate/up and A's columns of o/down grow by zeros at the end; A of q and B of o are unchanged."""
+    from types import SimpleNamespace
+
+    from megarl.reshard.adapter import engine_layout
+    from megarl.reshard.verify import engine_shapes
+
+    hf = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=176,
+                         vocab_size=300)
+    shapes = engine_shapes(hf, 3, cpu=True)
+    prefix = "base_model.model.model.layers.1."
+    cases = {"self_attn.q_proj.lora_B": ((64, 4), (96, 4)), "self_attn.k_proj.lora_B": ((32, 4), (48, 4)),
+             "self_attn.q_proj.lora_A": ((4, 64), (4, 64)), "self_attn.o_proj.lora_A": ((4, 64), (4, 96)),
+             "self_attn.o_proj.lora_B": ((64, 4), (64, 4)), "mlp.up_proj.lora_B": ((176, 4), (192, 4)),
+             "mlp.down_proj.lora_A": ((4, 176), (4, 192)), "mlp.down_proj.lora_B": ((64, 4), (64, 4))}
+    for name, (shape, padded) in cases.items():
+        tensor = torch.randn(shape)
+        out = engine_layout(f"{prefix}{name}.weight", tensor, shapes)
+        assert tuple(out.shape) == padded, name
+        assert torch.equal(out[:shape[0], :shape[1]], tensor) and out.abs().sum() == tensor.abs().sum(), name
