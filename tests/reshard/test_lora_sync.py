@@ -136,8 +136,8 @@ def test_adapter_sync_gives_the_engine_the_trainers_log_probs(lora_engine, layou
     """A trainer (TP1, TP2) with non-zero adapters on all seven projections syncs them into the LoRA engine twice:
     each time the engine's log-probs through the adapter equal the trainer's (on its own samples and on fixed
     sequences), the built-in probe verification passes, the pushed bytes are exactly the adapters' in the engine's
-    padded layout, and the engine holds only the newest adapter. The engine equals transformers + peft on the exported adapter, and its base model
-    (a request naming no adapter) is still the HF folder's."""
+    padded layout, and the engine holds only the newest adapter. The engine equals transformers + peft on the
+    exported adapter, and its base model (a request naming no adapter) is still the HF folder's."""
     path = _model()
     seed = 7 + len(layout)
     world = layout.get("tp", 1)
