@@ -307,4 +307,5 @@ def test_adapters_are_zero_padded_like_the_engines_base_layers():
         tensor = torch.randn(shape)
         out = engine_layout(f"{prefix}{name}.weight", tensor, shapes)
         assert tuple(out.shape) == padded, name
-        assert torch.equal(out[:shape[0], :shape[1]], tensor) and out.abs().sum() == tensor.abs().sum(), name
+        assert torch.equal(out[:shape[0], :shape[1]], tensor), name
+        assert not out[shape[0]:].any() and not out[:, shape[1]:].any(), name  # the padding is zeros
