@@ -6,7 +6,8 @@ this module first on its PYTHONPATH (`CPU_STANDINS`), which holds:
 - `sitecustomize.py`: import-time patches of SGLang's CPU engine, each applied when SGLang imports the module it
   patches (`PATCHED_MODULES` below; the file names the SGLang 0.5.23 lines each one works around): per-request seeded
   sampling (only with `SEEDED_SAMPLING_ENV`=1), routed-experts capture on CPU, MLA prefill on the torch_native
-  backend (SGLang's private `_dispatch_mla_subtype`), Qwen2-MoE's gated shared expert without Triton.
+  backend (SGLang's private `_dispatch_mla_subtype`), Qwen2-MoE's gated shared expert without Triton, LoRA serving
+  without pinned host memory (adapter-only weight sync, megarl/reshard/adapter.py).
 - `sgl_kernel/` and `torchvision/`: stand-in packages for the CUDA kernels package and torchvision, which SGLang
   0.5.23 imports unconditionally and which do not load on a CPU torch.
 
@@ -32,6 +33,9 @@ PATCHED_MODULES = {
         "class AttentionBackendRegistry", "def register(cls, backend_name, handler_func)",
         "def _dispatch_mla_subtype(attn, forward_batch)"),
     "sglang.srt.models.qwen2_moe": ("fused_gate_sigmoid_mul_add(",),
+    # LoRA serving on CPU: the modules that pin host memory (their `torch` is replaced) and the calls
+    "sglang.srt.lora.layers": ("import torch\n", "pin_memory=True", ".cpu().pin_memory()"),
+    "sglang.srt.lora.backend.torch_backend": ("import torch\n", "pin_memory=True", ".pin_memory()"),
 }
 # What the stand-ins stand in for, and the SGLang internals megarl's trainer imports: module -> source text.
 USED_INTERNALS = {
@@ -43,6 +47,11 @@ USED_INTERNALS = {
     "sglang.srt.function_call.function_call_parser": ("class FunctionCallParser",),
     # megarl/reshard/sync.py: how the engine refuses a second weight-update window (taking over a dead trainer's)
     "sglang.srt.managers.scheduler_components.weight_updater": ("a weight-update session is already open",),
+    # megarl/reshard/adapter.py: the adapter-only sync's endpoints and the load request's fields
+    "sglang.srt.entrypoints.http_server": ('"/load_lora_adapter_from_tensors"', '"/unload_lora_adapter"',
+                                          '"/v1/models"', "parent=served_model_names[0]"),
+    "sglang.srt.managers.io_struct": ("class LoadLoRAAdapterFromTensorsReqInput", "config_dict: Dict[str, Any]",
+                                      "serialized_named_tensors: Annotated[List[bytes]"),
 }
 # SGLang's answer to /begin_weight_update while a window is open (it keeps one per engine, whoever opened it)
 WEIGHT_WINDOW_OPEN = "a weight-update session is already open"

@@ -6,6 +6,9 @@
 Owners push in turns (one owner at a time: the rank and its TP / expert-TP peers gather, the owner buckets and pushes,
 everyone else waits at a barrier), so a rank holds at most one bucket plus the tensor being converted and no push can
 deadlock against another rank's collective. Rank 0 opens and closes the engine's weight-update window.
+
+A LoRA run with reshard.lora_sync=adapter syncs through megarl.reshard.adapter.AdapterTransport instead: the adapters
+only, loaded as a new named adapter (no weight-update window), verified by probes that name the adapter.
 """
 from __future__ import annotations
 
@@ -44,6 +47,9 @@ class WeightSync:
         self.cfg = cfg or SyncConfig()
         self.dtype = self.cfg.engine_dtype or (torch.bfloat16 if platform.on_gpu() else torch.float32)
         self.count = 0
+        # an adapter-only sync (megarl.reshard.adapter) leaves the engine's base weights alone: no weight-update
+        # window, no checksums of them (see verify)
+        self.adapter_only = bool(getattr(transport, "adapter_only", False))
         self.owners = bridge.owner_ranks(chunks)
         transport.setup(self.owners)
         self.probes = probe_sequences(bridge.vocab_size)
@@ -58,18 +64,19 @@ class WeightSync:
         version = version or f"megarl-{self.count + 1}"
         rank = dist.get_rank()
         start = time.perf_counter()
-        if rank == 0:
+        window = rank == 0 and not self.adapter_only
+        if window:
             self._open_window()
         dist.barrier()
         try:
             pushed_bytes, buckets = self.transport.send(self.source, version)
         except BaseException:
-            if rank == 0:  # close the window if the engine still can; the push's error is the one to report
+            if window:  # close the window if the engine still can; the push's error is the one to report
                 with contextlib.suppress(Exception):
                     self.client.end_weight_update()
             raise
         dist.barrier()
-        if rank == 0:
+        if window:
             self.client.end_weight_update()  # each update flushed the engine's prefix cache (transports._flush)
         self.count += 1
         stats = {"sync_s": time.perf_counter() - start, "pushed_bytes": _sum(pushed_bytes),
@@ -111,8 +118,12 @@ class WeightSync:
 
     def verify(self) -> dict:
         start = time.perf_counter()
+        # Adapter-only syncs compare no checksums: SGLang's /weights_checker hashes the model's parameters, and a
+        # loaded adapter lives in its LoRA memory pool, which nothing reports (its load request can check the tensors
+        # it received, expected_checksums, but a mismatch there raises in the scheduler and kills the engine). The
+        # base weights never change in a LoRA run. The probes, run through the adapter, check the whole.
         checked = verify_checksums(self.bridge, self.chunks, self.client, self.dtype) \
-            if self.cfg.verify_checksums else 0
+            if self.cfg.verify_checksums and not self.adapter_only else 0
         atol = self.cfg.probe_atol if self.cfg.probe_atol is not None else \
             (1e-3 if self.dtype == torch.float32 else 5e-2)
         diff = verify_probes(self.bridge, self.chunks, self.client, self.probes, atol)

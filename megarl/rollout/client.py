@@ -56,6 +56,10 @@ class EngineClient:
         self.timeout_s, self.retries, self.backoff_s, self.max_restarts = timeout_s, retries, backoff_s, max_restarts
         self.session = requests.Session()
         self.session.mount("http://", HTTPAdapter(pool_connections=4, pool_maxsize=32))
+        # The LoRA adapter every generation names (SGLang's lora_path), set by the adapter-only weight sync
+        # (megarl.reshard.adapter) on every rank's client when it has loaded a new adapter; None: the engine's own
+        # weights. Read when each request is built, so the callers (router, rollouts, probes) never name it.
+        self.adapter: str | None = None
 
     # ------------------------------------------------------------------------------------------------ transport
     def call(self, path: str, payload: dict | None = None, method: str = "POST", timeout_s: float | None = None):
@@ -95,6 +99,9 @@ class EngineClient:
         """One batched /generate; token ids in, token ids and per-token log-probs out. sampling_params: one dict for
         the batch or one per prompt."""
         payload = {"input_ids": prompts, "sampling_params": sampling_params, "return_logprob": return_logprob}
+        adapter = self.adapter  # once: the sync may name the next adapter while this request runs
+        if adapter is not None:
+            payload["lora_path"] = adapter
         if logprob_start_len is not None:
             payload["logprob_start_len"] = logprob_start_len
         if top_logprobs_num:
@@ -117,7 +124,10 @@ class EngineClient:
                 prompt_ids=list(prompt), output_ids=list(out.get("output_ids") or []),
                 output_log_probs=[x[0] for x in meta.get("output_token_logprobs") or []],
                 finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish),
-                weight_version=meta.get("weight_version"), input_log_probs=input_lp,
+                # an adapter's name is the version the adapter sync loaded it under: the weights that sampled these
+                # tokens (the engine's own weight_version stays the base model's)
+                weight_version=adapter if adapter is not None else meta.get("weight_version"),
+                input_log_probs=input_lp,
                 routed_experts=_routed_experts(meta) if return_routed_experts else None,
                 input_top_ids=top[0], input_top_log_probs=top[1]))
         return completions

@@ -42,12 +42,13 @@ def pool_server_config(spec: FleetSpec, name: str, pool, index: int = 0,
                        policy_gpus: int | None = None) -> ServerConfig:
     """Server `index` of pool `name` (a PoolConfig; the teacher's too): the policy engines' ServerConfig with the pool's
     model, TP size, dtype and KV budget, its own log folder, its GPUs (see first_gpus), and no MoE routing flag (a
-    pool's routing is never replayed)."""
+    pool's routing is never replayed) nor LoRA."""
     e = spec.engine
     base = engine_server_config(spec, pool.model, e.num_engines + index, log_dir=os.path.join(spec.log_dir, name),
                                 base_gpu_id=first_gpus(spec, policy_gpus)[name] + index * pool.tp_size)
     return replace(base, tp_size=pool.tp_size, dtype=pool.dtype, extra_args=list(e.extra_args),
-                   max_total_tokens=pool.max_total_tokens or base.max_total_tokens)
+                   max_total_tokens=pool.max_total_tokens or base.max_total_tokens,
+                   lora_rank=None, lora_target_modules=[])  # the policy's adapters are never loaded into a pool
 
 
 class EnginePools:

@@ -32,6 +32,7 @@ from ..errors import UserError
 from ..parallel.env import free_port
 
 if TYPE_CHECKING:
+    from ..models.lora import LoraConfig
     from ..trainer.config import EngineConfig, TeacherConfig
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,10 @@ class ServerConfig:
     base_gpu_id: int | None = None  # GPU: the first GPU of this server (several servers on one node)
     log_dir: str = "runs/engine"
     extra_args: list[str] = field(default_factory=list)
+    # Adapter-only weight sync (reshard.lora_sync=adapter): the server serves LoRA adapters up to this rank on these
+    # HF modules (model.lora's rank and target_modules); None: no LoRA
+    lora_rank: int | None = None
+    lora_target_modules: list[str] = field(default_factory=list)
 
 
 def server_command(cfg: ServerConfig, port: int | str, on_gpu: bool | None = None) -> tuple[list[str], dict]:
@@ -96,6 +101,13 @@ def server_command(cfg: ServerConfig, port: int | str, on_gpu: bool | None = Non
         cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
     if cfg.mem_fraction_static:
         cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+    if cfg.lora_rank:
+        # Adapters are loaded at run time (megarl.reshard.adapter); a batch holds at most two: the adapter of the
+        # previous sync, finishing its requests, and the new one (or the base model's warm-up request).
+        cmd += ["--enable-lora", "--max-lora-rank", str(cfg.lora_rank), "--max-loras-per-batch", "2",
+                "--lora-target-modules", *cfg.lora_target_modules]
+        if not on_gpu:  # the other LoRA backends are Triton / CUDA kernels
+            cmd += ["--lora-backend", "torch_native"]
     # The trainer runs under torchrun/Slurm; the server is its own distributed job and must not see the trainer's
     # rendezvous variables (with RANK/WORLD_SIZE/MASTER_PORT inherited, SGLang's startup waits on the trainer's store).
     env = {k: v for k, v in os.environ.items() if k not in _TRAINER_ENV and not k.startswith(("TORCHELASTIC_",
@@ -178,6 +190,9 @@ class FleetSpec:
     plain_event_loop: bool = False
     teacher: "TeacherConfig | None" = None
     pools: dict = field(default_factory=dict)  # name -> PoolConfig
+    # reshard.lora_sync=adapter: the policy engines serve LoRA adapters of this shape (model.lora: a LoraConfig);
+    # None: they serve the weights pushed into them
+    lora: "LoraConfig | None" = None
 
 
 def engine_server_config(spec: FleetSpec, model_path: str, index: int = 0, host: str = "127.0.0.1",
@@ -193,7 +208,9 @@ def engine_server_config(spec: FleetSpec, model_path: str, index: int = 0, host:
         random_seed=spec.seed + index, seeded_sampling=spec.seeded_sampling, startup_timeout_s=e.startup_timeout_s,
         startup_retries=e.startup_retries, base_gpu_id=base_gpu_id, log_dir=log_dir or spec.log_dir,
         extra_args=list(e.extra_args) + (["--enable-return-routed-experts"] if spec.routed_experts else []) +
-        (["--disable-overlap-schedule"] if spec.plain_event_loop else []))
+        (["--disable-overlap-schedule"] if spec.plain_event_loop else []),
+        lora_rank=spec.lora.rank if spec.lora else None,
+        lora_target_modules=list(spec.lora.target_modules) if spec.lora else [])
 
 
 def die_with_parent() -> None:

@@ -476,8 +476,15 @@ class ReshardConfig:
     # transport=distributed: the address engines on other hosts use to join the weight-broadcast group (rank 0's
     # host). None: 127.0.0.1 for engines this run starts, else this host's name (socket.gethostname()).
     master_address: Optional[str] = None
+    # A LoRA run (model.lora): adapter | merged; null: adapter. adapter: the engines start from model.path's base
+    # weights with LoRA enabled and each sync loads the adapters alone as a new named adapter that the generation
+    # requests name (megarl.reshard.adapter; `transport` is not used). merged: the merged full weights go over
+    # `transport`, for engines or kernels without LoRA support.
+    lora_sync: Optional[str] = None
 
     def __post_init__(self):
+        if self.lora_sync is not None:
+            _choice("reshard.lora_sync", self.lora_sync, ("adapter", "merged"))
         if ":" not in self.transport:  # "package.module:Class": a user's transport, imported when the sync starts
             _choice("reshard.transport", self.transport, ("tensor", "distributed", "disk"))
         _at_least("reshard", self, ("bucket_mb",))
@@ -563,6 +570,7 @@ class TrainConfig:
         if self.algorithm.policy_loss == "fipo" and self.parallel.cp > 1:
             raise ConfigError(f"algorithm.policy_loss=fipo sums each sequence's future log-ratios, which "
                               f"parallel.cp={self.parallel.cp} splits over ranks. Fix: parallel.cp: 1")
+        self._validate_lora_sync()
         self._validate_teacher()
         self._validate_pools()
         self._validate_eval_reward()
@@ -571,6 +579,23 @@ class TrainConfig:
                               f"{self.rollout.temperature}: the trainer's log-probs must be of the distribution the "
                               f"engine sampled from. Fix: algorithm.temperature={self.rollout.temperature}")
         return self
+
+    def _validate_lora_sync(self) -> None:
+        mode = self.reshard.lora_sync
+        if mode is not None and self.model.lora is None:
+            raise ConfigError(f"reshard.lora_sync={mode} is set but model.lora is not (a full fine-tuning run pushes "
+                              "its full weights). Fix: unset reshard.lora_sync, or set model.lora")
+        if adapter_sync(self) is None:
+            return
+        if self.rollout.placement == "disaggregated":
+            raise ConfigError("reshard.lora_sync=adapter loads the adapters through shared memory on the trainer's "
+                              "host, but rollout.placement=disaggregated runs the engines on other nodes. Fix: "
+                              "reshard.lora_sync=merged (merged full weights over reshard.transport=distributed)")
+        if self.model.load is not None:
+            raise ConfigError(f"reshard.lora_sync=adapter serves model.path's base weights, but model.load="
+                              f"{self.model.load} may give the trainer other ones (a full fine-tuning or SFT "
+                              "checkpoint). Fix: reshard.lora_sync=merged, or model.path=<an HF export of that "
+                              "checkpoint> without model.load")
 
     def _validate_teacher(self) -> None:
         t, name = self.teacher, self.algorithm.advantage_estimator
@@ -825,11 +850,19 @@ def load_train_config(path: str | None, overrides: list[str] | None = None) -> T
     return load_config(TrainConfig, path, overrides).validate()
 
 
+def adapter_sync(cfg: TrainConfig) -> Optional[LoraConfig]:
+    """model.lora when the run syncs its LoRA adapters only (reshard.lora_sync adapter, the default of a LoRA run);
+    None when the engines get full weights (no LoRA, or reshard.lora_sync=merged)."""
+    if cfg.model.lora is None or cfg.reshard.lora_sync == "merged":
+        return None
+    return cfg.model.lora
+
+
 def fleet_spec(cfg: TrainConfig) -> "FleetSpec":
     """The run's SGLang servers (megarl.rollout.server.FleetSpec) from its sections: rollout.engine, teacher (when
     enabled), pools, with the seed, <run_dir>/engine, rollout.deterministic, the MoE routing flag
-    (rollout.engine_routing) and the plain event loop partial rollouts need (rl.max_staleness > 0 with
-    rl.partial_rollouts)."""
+    (rollout.engine_routing), the plain event loop partial rollouts need (rl.max_staleness > 0 with
+    rl.partial_rollouts) and LoRA serving for an adapter-only sync (adapter_sync)."""
     import os
 
     from ..rollout.server import FleetSpec
@@ -837,4 +870,5 @@ def fleet_spec(cfg: TrainConfig) -> "FleetSpec":
     return FleetSpec(engine=cfg.rollout.engine, log_dir=os.path.join(cfg.run_dir, "engine"), seed=cfg.seed,
                      seeded_sampling=cfg.rollout.deterministic, routed_experts=cfg.rollout.engine_routing,
                      plain_event_loop=cfg.rl.max_staleness > 0 and cfg.rl.partial_rollouts,
-                     teacher=cfg.teacher if cfg.teacher.enabled else None, pools=dict(cfg.pools))
+                     teacher=cfg.teacher if cfg.teacher.enabled else None, pools=dict(cfg.pools),
+                     lora=adapter_sync(cfg))

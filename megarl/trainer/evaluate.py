@@ -29,7 +29,7 @@ from ..rollout.fleet import EngineFleet
 from .async_rollout import version_name
 from .batching import Sample, rank_batch
 from .checkpoint import latest_checkpoint
-from .config import DataConfig, fleet_spec, rollout_inputs
+from .config import DataConfig, adapter_sync, fleet_spec, rollout_inputs
 from .metrics import forgetting_kl as kl_to_initial, over_last_stage
 from .rollout import Rollout
 from .workers import build_rollout, reward_pools
@@ -118,7 +118,7 @@ def run_eval(cfg, samples: int | None = None, responses: str | None = None, out:
                                     eval_rewards=eval_rewards)
         fleet.resume_memory()
         syncs = engine_syncs(fleet.clients, policy.bridge, policy.chunks, cfg.reshard, cfg.rollout.engine,
-                             cfg.run_dir, rank, local=fleet.local)
+                             cfg.run_dir, rank, local=fleet.local, adapter=adapter_sync(cfg))
         for sync in syncs:  # the engines hold exactly the weights evaluated
             sync.sync(version_name(step), verify=True)
         result: dict = {"step": step}

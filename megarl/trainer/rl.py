@@ -29,7 +29,7 @@ from . import metrics, step as phases
 from .async_rollout import version_name
 from .batching import RankBatch, dump_train_rows
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import fleet_spec, rl_algorithm, rollout_inputs
+from .config import adapter_sync, fleet_spec, rl_algorithm, rollout_inputs
 from .evaluate import forgetting_kl, held_out_metrics, held_out_prompts, save_pass_at_k
 from .logging import MetricsLog, PhaseTimer
 from .numerics import SkippedSteps
@@ -120,7 +120,8 @@ class RLTrainer:
         self.clients = self.fleet.connect().clients
         self.side.connect(self.fleet)
         self.syncs = engine_syncs(self.clients, self.bridge, self.policy.chunks, cfg.reshard, cfg.rollout.engine,
-                                  cfg.run_dir, self.rank, local=self.fleet.local)
+                                  cfg.run_dir, self.rank, local=self.fleet.local,
+                                  adapter=adapter_sync(cfg))
 
     def _resume(self) -> None:
         path = latest_checkpoint(self.ckpt_root) if self.cfg.checkpoint.resume and \

@@ -3,7 +3,8 @@ PYTHONPATH). Each patch is applied when SGLang imports the module it patches.
 
 1. Per-request seeded sampling (only when MEGARL_SGLANG_SEEDED_SAMPLING=1). 2. Routed-experts capture on CPU.
 3. Multi-latent attention (DeepSeek-V3) prefill on the torch_native backend. 4. Qwen2-MoE's gated shared expert without
-Triton. (2 to 4: see their functions.)
+Triton. 5. LoRA serving (--enable-lora, adapter-only weight sync) without pinned memory. (2 to 5: see their
+functions.)
 
 Why: an RL run that is killed and resumed must draw the same rollouts as an uninterrupted one, so megarl gives every
 request a `sampling_seed`. SGLang 0.5.23 honours per-request seeds only under --enable-deterministic-inference
@@ -20,6 +21,7 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+import types
 
 
 def _patch_seeded_sampling(module) -> None:
@@ -95,9 +97,59 @@ def _patch_qwen2_moe_shared_expert_gate(module) -> None:
     module.fused_gate_sigmoid_mul_add = fused_gate_sigmoid_mul_add
 
 
+class _TorchWithoutPinning(types.ModuleType):
+    """torch as one SGLang module sees it: every attribute is torch's, except that the tensor factories ignore
+    pin_memory (see _patch_lora_pinned_memory)."""
+
+    _FACTORIES = ("tensor", "zeros", "empty", "ones", "full", "arange")
+
+    def __init__(self, torch):
+        super().__init__("torch")
+        self._torch = torch
+
+    def __getattr__(self, name):
+        value = getattr(self._torch, name)
+        if name not in self._FACTORIES:
+            return value
+
+        def unpinned(*args, pin_memory=False, **kwargs):
+            return value(*args, **kwargs)
+
+        return unpinned
+
+
+def _patch_lora_pinned_memory(module) -> None:
+    """5. LoRA serving on CPU (--enable-lora --lora-backend torch_native, megarl's adapter-only weight sync).
+
+    Why: SGLang 0.5.23 stages the LoRA layers' output offsets and every batch's LoRA indices in pinned host memory
+    whatever the device: sglang/srt/lora/layers.py:145 (also :324, :479, :723, :814: torch.tensor(...,
+    pin_memory=True); :594: .pin_memory()), run when the LoRA layers are built at start-up, and
+    sglang/srt/lora/backend/torch_backend.py:225-244 (prepare_lora_batch: .pin_memory() on :225, :228, :233, :234,
+    pin_memory=True on :237, :241, :244), run for every batch. A CPU-only torch has no pinned-memory allocator
+    ("pin_memory=True requires a CUDA or other accelerator backend" / "Cannot access accelerator device when none is
+    available"): the server dies while building the model. On CPU the host memory is the device's memory, so the
+    unpinned tensor is what pinning would have bought.
+    What: the two modules' `torch` is torch with factories that ignore pin_memory (_TorchWithoutPinning: only these
+    modules' calls change), and Tensor.pin_memory returns the tensor itself when torch has no accelerator. A method
+    cannot be replaced for one module only; the replacement changes only calls that would raise otherwise (every
+    pin_memory() call on a CPU-only torch), and SGLang's own pinning paths check is_pin_memory_available() first.
+    """
+    import torch
+
+    module.torch = _TorchWithoutPinning(torch)
+    if not torch.accelerator.is_available() and not getattr(torch.Tensor.pin_memory, "_megarl_unpinned", False):
+        def pin_memory(self, device=None):
+            return self
+
+        pin_memory._megarl_unpinned = True
+        torch.Tensor.pin_memory = pin_memory
+
+
 _PATCHES = {"sglang.srt.state_capturer.base": _patch_routed_experts_host_cache,
             "sglang.srt.models.deepseek_common.attention_backend_handler": _patch_mla_on_torch_native,
-            "sglang.srt.models.qwen2_moe": _patch_qwen2_moe_shared_expert_gate}
+            "sglang.srt.models.qwen2_moe": _patch_qwen2_moe_shared_expert_gate,
+            "sglang.srt.lora.layers": _patch_lora_pinned_memory,
+            "sglang.srt.lora.backend.torch_backend": _patch_lora_pinned_memory}
 if os.environ.get("MEGARL_SGLANG_SEEDED_SAMPLING") == "1":
     _PATCHES["sglang.srt.sampling.sampling_batch_info"] = _patch_seeded_sampling
 
