@@ -76,7 +76,9 @@ class AdapterTransport:
     def send(self, source, version: str) -> tuple[int, int]:
         """Gather the adapters on rank 0, load them into the engine under `version`, name it on every rank's client.
         Returns (adapter bytes, 1) on rank 0, (0, 0) elsewhere."""
-        mine = peft_tensors(source.chunks, source.bridge)  # a collective over TP: every rank calls it
+        # a collective over TP: every rank calls it. Expert adapters (the second part) never come here: the trainer's
+        # config leaves such runs on the merged sync (megarl.trainer.config.adapter_sync_blocker)
+        mine, _ = peft_tensors(source.chunks, source.bridge)
         everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, everyone, dst=0)
 

@@ -585,17 +585,10 @@ class TrainConfig:
         if mode is not None and self.model.lora is None:
             raise ConfigError(f"reshard.lora_sync={mode} is set but model.lora is not (a full fine-tuning run pushes "
                               "its full weights). Fix: unset reshard.lora_sync, or set model.lora")
-        if adapter_sync(self) is None:
-            return
-        if self.rollout.placement == "disaggregated":
-            raise ConfigError("reshard.lora_sync=adapter loads the adapters through shared memory on the trainer's "
-                              "host, but rollout.placement=disaggregated runs the engines on other nodes. Fix: "
-                              "reshard.lora_sync=merged (merged full weights over reshard.transport=distributed)")
-        if self.model.load is not None:
-            raise ConfigError(f"reshard.lora_sync=adapter serves model.path's base weights, but model.load="
-                              f"{self.model.load} may give the trainer other ones (a full fine-tuning or SFT "
-                              "checkpoint). Fix: reshard.lora_sync=merged, or model.path=<an HF export of that "
-                              "checkpoint> without model.load")
+        blocker = adapter_sync_blocker(self)
+        if mode == "adapter" and blocker:
+            raise ConfigError(f"reshard.lora_sync=adapter: {blocker}. Fix: reshard.lora_sync=merged (merged full "
+                              "weights), or leave it unset (a LoRA run then picks merged by itself)")
 
     def _validate_teacher(self) -> None:
         t, name = self.teacher, self.algorithm.advantage_estimator
@@ -851,11 +844,32 @@ def load_train_config(path: str | None, overrides: list[str] | None = None) -> T
 
 
 def adapter_sync(cfg: TrainConfig) -> Optional[LoraConfig]:
-    """model.lora when the run syncs its LoRA adapters only (reshard.lora_sync adapter, the default of a LoRA run);
-    None when the engines get full weights (no LoRA, or reshard.lora_sync=merged)."""
+    """model.lora when the run syncs its LoRA adapters only: reshard.lora_sync=adapter, or unset in a LoRA run the
+    adapter sync can serve (adapter_sync_blocker); None when the engines get full weights (no LoRA, merged)."""
     if cfg.model.lora is None or cfg.reshard.lora_sync == "merged":
         return None
+    if cfg.reshard.lora_sync is None and adapter_sync_blocker(cfg):
+        return None
     return cfg.model.lora
+
+
+def adapter_sync_blocker(cfg: TrainConfig) -> Optional[str]:
+    """Why this LoRA run's engines cannot take its adapters alone (megarl.reshard.adapter), or None."""
+    from ..models import lora_moe
+
+    if cfg.model.lora is None:
+        return None
+    if cfg.rollout.placement == "disaggregated":
+        return ("the adapters go through shared memory on the trainer's host, but rollout.placement=disaggregated "
+                "runs the engines on other nodes")
+    if cfg.model.load is not None:
+        return (f"the engines serve model.path's base weights, but model.load={cfg.model.load} may give the trainer "
+                "other ones (a full fine-tuning or SFT checkpoint)")
+    experts = [t for t in cfg.model.lora.target_modules if lora_moe.is_expert_target(t)]
+    if experts:
+        return (f"model.lora.target_modules {experts} adapt MoE experts, which the adapter sync does not serve (its "
+                "adapters are attention and dense MLP ones)")
+    return None
 
 
 def fleet_spec(cfg: TrainConfig) -> "FleetSpec":

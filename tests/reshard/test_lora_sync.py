@@ -254,24 +254,37 @@ def _config(**sections):
 LORA_SECTION = {"tiny": {}, "lora": {"rank": 4}}
 
 
+MOE_LORA_SECTION = {"tiny": {"family": "qwen3_moe"},
+                    "lora": {"rank": 4, "target_modules": ["q_proj", "k_proj", "v_proj", "experts.gate_up_proj",
+                                                           "experts.down_proj"]}}
+DISAGGREGATED = {"rollout": {"placement": "disaggregated", "engine": {"nodes": 1}},
+                 "reshard": {"transport": "distributed"}}
+
+
 @pytest.mark.unit
-def test_lora_sync_defaults_to_adapter_for_a_lora_run():
+def test_lora_sync_defaults_to_adapter_for_a_lora_run_it_can_serve():
     from megarl.trainer.config import adapter_sync
 
     assert adapter_sync(_config(model=LORA_SECTION)).rank == 4
     assert adapter_sync(_config(model=LORA_SECTION, reshard={"lora_sync": "adapter"})).rank == 4
     assert adapter_sync(_config(model=LORA_SECTION, reshard={"lora_sync": "merged"})) is None
     assert adapter_sync(_config()) is None
+    # unset, where the adapter sync cannot serve the run (an SFT checkpoint as model.load, expert adapters, engines on
+    # other nodes): the merged sync, without a word from the user
+    assert adapter_sync(_config(model={**LORA_SECTION, "load": "/ckpt"})) is None
+    assert adapter_sync(_config(model=MOE_LORA_SECTION)) is None
+    assert adapter_sync(_config(model=LORA_SECTION, **DISAGGREGATED)) is None
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("sections,message", [
     ({"reshard": {"lora_sync": "adapters"}}, "reshard.lora_sync"),
     ({"reshard": {"lora_sync": "merged"}}, "reshard.lora_sync=merged is set but model.lora is not"),
-    ({"model": LORA_SECTION, "rollout": {"placement": "disaggregated", "engine": {"nodes": 1}},
-      "reshard": {"transport": "distributed"}}, "Fix: reshard.lora_sync=merged"),
-    ({"model": {**LORA_SECTION, "load": "/ckpt"}}, "Fix: reshard.lora_sync=merged"),
-], ids=["bad-value", "without-lora", "disaggregated", "model-load"])
+    ({"model": LORA_SECTION, **DISAGGREGATED, "reshard": {"transport": "distributed", "lora_sync": "adapter"}},
+     "Fix: reshard.lora_sync=merged"),
+    ({"model": {**LORA_SECTION, "load": "/ckpt"}, "reshard": {"lora_sync": "adapter"}}, "model.load=/ckpt"),
+    ({"model": MOE_LORA_SECTION, "reshard": {"lora_sync": "adapter"}}, "adapt MoE experts"),
+], ids=["bad-value", "without-lora", "disaggregated", "model-load", "experts"])
 def test_lora_sync_refusals_are_one_line(sections, message):
     from megarl.config import ConfigError
 
@@ -282,7 +295,7 @@ def test_lora_sync_refusals_are_one_line(sections, message):
 
 @pytest.mark.unit
 def test_merged_lora_sync_and_disaggregated_engines_are_accepted():
-    _config(model=LORA_SECTION, rollout={"placement": "disaggregated", "engine": {"nodes": 1}},
+    _config(model=LORA_SECTION, rollout=DISAGGREGATED["rollout"],
             reshard={"transport": "distributed", "lora_sync": "merged"})
 
 
