@@ -270,6 +270,12 @@ def learning(seeds: list[int], work: str, out: str) -> None:
                   f"{wall:.0f} s", flush=True)
 
 
+def _merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """The rows of `new`, and those of `old` for the (model, mode) pairs `new` did not measure (a --models subset)."""
+    measured = {(r["model"], r["mode"]) for r in new}
+    return [r for r in old if (r["model"], r["mode"]) not in measured] + new
+
+
 def _quickstart(section: str) -> dict:
     import yaml
 
@@ -328,12 +334,12 @@ def main(argv=None) -> int:
         from real_model import save
 
         rows = measure_memory(args.work, args.models.split(","))
-        save(args.out, lambda r: r.update(memory=rows, machine=machine()))
+        save(args.out, lambda r: r.update(memory=_merge_rows(r.get("memory", []), rows), machine=machine()))
     if "sync" in parts:
         from real_model import save
 
         rows = measure_sync(args.work, args.models.split(","))
-        save(args.out, lambda r: r.update(sync=rows, machine=machine()))
+        save(args.out, lambda r: r.update(sync=_merge_rows(r.get("sync", []), rows), machine=machine()))
     if "learning" in parts:
         learning([int(s) for s in args.seeds.split(",")], args.work, args.out)
     print(table(_load(args.out)))
