@@ -476,10 +476,11 @@ class ReshardConfig:
     # transport=distributed: the address engines on other hosts use to join the weight-broadcast group (rank 0's
     # host). None: 127.0.0.1 for engines this run starts, else this host's name (socket.gethostname()).
     master_address: Optional[str] = None
-    # A LoRA run (model.lora): adapter | merged; null: adapter. adapter: the engines start from model.path's base
-    # weights with LoRA enabled and each sync loads the adapters alone as a new named adapter that the generation
-    # requests name (megarl.reshard.adapter; `transport` is not used). merged: the merged full weights go over
-    # `transport`, for engines or kernels without LoRA support.
+    # A LoRA run (model.lora): adapter | merged; null: adapter where it can serve the run, else merged
+    # (adapter_sync_blocker: model.load, disaggregated engines, MoE expert adapters). adapter: the engines start from
+    # model.path's base weights with LoRA enabled and each sync loads the adapters alone as a new named adapter that
+    # the generation requests name (megarl.reshard.adapter; `transport` is not used). merged: the merged full weights
+    # go over `transport`, for engines or kernels without LoRA support.
     lora_sync: Optional[str] = None
 
     def __post_init__(self):

@@ -146,7 +146,8 @@ def run_eval(cfg, samples: int | None = None, responses: str | None = None, out:
 
 def forgetting_kl(policy_model, reference, sequences: list, pad_id: int, algo, vocab_size: int, pg) -> dict:
     """eval/kl_to_initial (k3) and eval/kl_to_initial_k1: KL(policy || initial model; reference: setup.Reference) on
-    this DP rank's share of sampled (prompt ids, response ids, loss mask or None) responses, tool outputs excluded. A collective: a rank
+    this DP rank's share of sampled (prompt ids, response ids, loss mask or None) responses, tool outputs excluded. A
+    collective: a rank
     without a sequence runs one row that counts nothing."""
     sequences = sequences or [([pad_id], [pad_id], [0])]
     ids, targets, mask = shift_sequences([p for p, _, _ in sequences], [r for _, r, _ in sequences], pad_id)
