@@ -44,3 +44,20 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(
             f"{len(wrong)} test(s) need exactly one tier marker out of {', '.join(TIERS)} (tests/README.md):\n  "
             + "\n  ".join(wrong[:50]))
+
+
+
+class _LightestTierFirst:
+    """Runs the tiers lightest first (a stable sort: each tier keeps pytest's order): a broken unit fails in the first
+    minutes, and the session engine launched when the collection is done (megarl.testing.fixtures) starts while the
+    single-process tiers leave a core idle, instead of being waited for by the first engine test. A plugin of its own
+    because a module holds one function per hook name; trylast: after pytest's own reordering (which groups the
+    tests of a module-scoped parametrised engine) and after -m deselects."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        items.sort(key=lambda item: TIERS.index(next(m.name for m in item.iter_markers() if m.name in TIERS)))
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_LightestTierFirst(), "megarl-lightest-tier-first")

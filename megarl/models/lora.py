@@ -38,6 +38,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 import zlib
 from dataclasses import dataclass, field
 from typing import Optional
@@ -365,29 +366,38 @@ def _peft_prefix(hf_weight_name: str) -> str:
     return "base_model.model." + hf_weight_name[: -len(".weight")]
 
 
+# bridge -> {(canonical name, fused rows): (HF names, each projection's rows of the fused tensor)}
+_row_maps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _row_map(bridge, canonical: str, rows: int) -> tuple[list[str], list[torch.Tensor]]:
+    """Where each HF projection's rows sit in a fused layer's weight (QKV, gate/up), by mbridge's own conversion of a
+    tensor whose row r holds r (its conversion reshapes with the hidden size, so the probe is [rows, hidden]; rows move
+    whole). Computed once per layer and kept: the adapter sync runs it for every fused layer on every sync."""
+    maps = _row_maps.setdefault(bridge, {})
+    if (canonical, rows) not in maps:
+        from ..compat import mbridge as mbridge_compat
+
+        probe = torch.arange(rows, dtype=torch.float64)[:, None].expand(rows, bridge.config.hidden_size).contiguous()
+        names, parts = mbridge_compat.to_hf_format(bridge.mb, canonical, probe)
+        maps[(canonical, rows)] = (names, [part[:, 0].long() for part in parts])
+    return maps[(canonical, rows)]
+
+
 def _rows_to_hf(bridge, canonical: str, b: torch.Tensor) -> tuple[list[str], list[torch.Tensor]]:
-    """Split a fused layer's B [fused out, rank] into the HF projections' B's with the weight's own row mapping.
-
-    mbridge's QKV conversion reshapes with the hidden size, so B is zero-padded to [out, hidden] for the conversion
-    and cut back; rows move as whole rows, so the padding never mixes into B's columns."""
-    hidden = bridge.config.hidden_size
-    if b.shape[1] > hidden:
-        raise LoraConfigError(f"LoRA rank {b.shape[1]} > hidden size {hidden} is not supported by the PEFT export")
-    padded = torch.zeros(b.shape[0], hidden, dtype=b.dtype)
-    padded[:, : b.shape[1]] = b
-    from ..compat import mbridge as mbridge_compat
-
-    names, parts = mbridge_compat.to_hf_format(bridge.mb, canonical, padded)
-    return names, [p[:, : b.shape[1]].contiguous() for p in parts]
+    """Split a fused layer's B [fused out, rank] into the HF projections' B's with the weight's own row mapping."""
+    names, rows = _row_map(bridge, canonical, b.shape[0])
+    return names, [b.index_select(0, r) for r in rows]
 
 
 def _rows_from_hf(bridge, canonical: str, bs: list[torch.Tensor]) -> torch.Tensor:
     """The inverse of _rows_to_hf: the HF projections' B's -> the fused B [fused out, rank] in Megatron's layout."""
-    from ..compat import mbridge as mbridge_compat
-
-    rank, hidden = bs[0].shape[1], bridge.config.hidden_size
-    padded = [torch.nn.functional.pad(b, (0, hidden - rank)) for b in bs]
-    return mbridge_compat.to_mcore_format(bridge.mb, canonical, padded)[:, :rank].contiguous()
+    fused_rows = sum(b.shape[0] for b in bs)
+    _, rows = _row_map(bridge, canonical, fused_rows)
+    fused = torch.empty(fused_rows, bs[0].shape[1], dtype=bs[0].dtype)
+    for r, b in zip(rows, bs):
+        fused[r] = b
+    return fused
 
 
 def _gather_tp(tensor: torch.Tensor, group) -> list[torch.Tensor]:

@@ -25,6 +25,7 @@ from ..errors import on_rank0
 from ..models.lora import LoraConfig, peft_tensors
 from ..rollout.client import EngineClient
 from ..rollout.server import EngineError
+from .buckets import ALIGN, BucketPacker
 from .verify import EngineShapes, engine_shapes, shard_rule
 
 
@@ -57,6 +58,15 @@ def engine_layout(peft_name: str, tensor: torch.Tensor, shapes: EngineShapes) ->
     return torch.nn.functional.pad(tensor, pad).contiguous()
 
 
+def one_buffer(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors as views of one flat buffer (BucketPacker's layout, one bucket): torch's multiprocessing pickler
+    shares a storage once, so the serialised adapter is one shared-memory file instead of one per tensor (a
+    SmolLM2-135M adapter on 7 modules has 420 tensors: serialising them one by one took 0.08 s of its 0.28 s sync)."""
+    size = sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors.values())
+    (bucket,) = BucketPacker(max(size, 1)).pack(tensors.items())
+    return {name: bucket.tensor(name) for name in tensors}
+
+
 class AdapterTransport:
     """A WeightTransport (megarl.reshard.transports) that sends the LoRA adapters only; WeightSync then leaves the
     engine's weight-update window closed (`adapter_only`) and verifies with probes through the adapter."""
@@ -84,8 +94,8 @@ class AdapterTransport:
 
         def load() -> int:
             shapes = self._engine_shapes(source.bridge.hf.config)
-            tensors = {name: engine_layout(name, t.to(source.dtype(name)), shapes)
-                       for part in everyone for name, t in part.items()}
+            tensors = one_buffer({name: engine_layout(name, t.to(source.dtype(name)), shapes)
+                                  for part in everyone for name, t in part.items()})
             self._load(version, tensors)
             return sum(t.numel() * t.element_size() for t in tensors.values())
 

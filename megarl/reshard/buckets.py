@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 DEFAULT_BUCKET_BYTES = 512 << 20
-_ALIGN = 16
+ALIGN = 16
 
 
 @dataclass
@@ -72,7 +72,7 @@ class BucketPacker:
                 yield FlatBucket(flat, [FlattenedTensorMetadata(name=name, shape=tensor.shape, dtype=tensor.dtype,
                                                                 start_idx=0, end_idx=nbytes, numel=nbytes)])
                 continue
-            used = -(-used // _ALIGN) * _ALIGN  # every tensor starts aligned for its dtype
+            used = -(-used // ALIGN) * ALIGN  # every tensor starts aligned for its dtype
             if used + nbytes > self.bucket_bytes:
                 yield FlatBucket(self.buffer()[:used], metadata)
                 metadata, used = [], 0

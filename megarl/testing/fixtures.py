@@ -17,42 +17,105 @@ def tiny_model_any_family(request):
     return tiny_model_dir(request.param)
 
 
-_early: dict = {}  # "tiny_qwen2_engine": the session server, launched when the collection is done
+class _EarlyEngines:
+    """Engines of `early_engine` fixtures, launched ahead of their first user. When the collection is done, the engines
+    the selected tests will use are put in the order of their first use and the first AHEAD are launched (processes,
+    no threads: tests fork ranks); each time a fixture claims its engine, the next ones are launched. A start is ~25 s
+    of CPU on 2 cores (imports in three processes, the model, megarl's warm-up), so engines start while earlier tests
+    run (the single-process tiers leave a core idle) and while the engine they wait for finishes its own start, instead
+    of one after another. AHEAD bounds the memory of engines not yet used (~1.4 GB each, PSS of a tiny MoE engine)."""
+
+    AHEAD = 2
+
+    def __init__(self):
+        self.specs: dict = {}  # fixture function -> (name, param -> ServerConfig kwargs)
+        self.queue: list = []  # (fixture function, param) not launched yet, in the order of first use
+        self.launched: dict = {}  # (fixture function, param) -> SGLangServer launched, not yet claimed
+        self.log_root = None
+
+    def plan(self, session) -> None:
+        if session.config.option.collectonly:
+            return
+        self.log_root = session.config._tmp_path_factory.mktemp("early-engines")
+        for item in session.items:
+            for name, defs in item._fixtureinfo.name2fixturedefs.items():
+                if defs and defs[-1].func in self.specs:
+                    key = (defs[-1].func, getattr(item, "callspec", None) and item.callspec.params.get(name))
+                    if key not in self.queue:
+                        self.queue.append(key)
+        self._top_up()
+
+    def _launch(self, key):
+        from ..rollout import ServerConfig, SGLangServer
+
+        name, config = self.specs[key[0]]
+        kwargs = config(key[1])
+        family, overrides = kwargs.pop("family"), kwargs.pop("model_overrides")
+        log_dir = self.log_root / f"{name}-{key[1]}" if self.log_root else None
+        if log_dir is None:  # a plugin that did not see the collection
+            import tempfile
+            log_dir = tempfile.mkdtemp(prefix=f"megarl-{name}-")
+        return SGLangServer(ServerConfig(model_path=tiny_model_dir(family, **overrides), log_dir=str(log_dir),
+                                         **kwargs)).launch()
+
+    def _top_up(self) -> None:
+        while self.queue and len(self.launched) < self.AHEAD:
+            key = self.queue.pop(0)
+            self.launched[key] = self._launch(key)
+
+    def claim(self, key):
+        """The engine of `key`, ready: the one launched ahead, else launched now; the next ones are launched first, so
+        they start while this one finishes its start-up."""
+        if key in self.queue:
+            self.queue.remove(key)
+        server = self.launched.pop(key, None) or self._launch(key)
+        self._top_up()
+        return server.wait_ready()
+
+    def stop_unclaimed(self) -> None:  # launched, never used (the session stopped before their first user)
+        for server in self.launched.values():
+            server.stop()
+        self.launched.clear()
+
+
+_early = _EarlyEngines()
 
 
 def pytest_collection_finish(session):
-    """When a selected test uses tiny_qwen2_engine, launch its server now (a process, no thread: tests fork ranks) so
-    it starts while the tests before its first user run: a start is ~25 s of one core on CPU, and a single-process
-    test leaves the other core idle. The fixture then only waits for it."""
-    if session.config.option.collectonly:
-        return
-    if any("tiny_qwen2_engine" in getattr(item, "fixturenames", ()) for item in session.items):
-        from ..rollout import ServerConfig, SGLangServer
-
-        log_dir = session.config._tmp_path_factory.mktemp("tiny-qwen2-engine")
-        _early["tiny_qwen2_engine"] = SGLangServer(ServerConfig(model_path=tiny_model_dir("qwen2"),
-                                                                log_dir=str(log_dir))).launch()
+    _early.plan(session)
 
 
 def pytest_sessionfinish(session):
-    server = _early.pop("tiny_qwen2_engine", None)
-    if server is not None:  # launched, never used (the session stopped before its first user)
-        server.stop()
+    _early.stop_unclaimed()
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen2_engine(tmp_path_factory):
-    """One real SGLang server of the default tiny Qwen2 (tiny_model_dir("qwen2")) for the whole session, shared by
-    the tests that only generate from it or read its log-probs (a server start costs ~25 s on CPU). Tests that change
-    its weights put them back (see tests/reshard/test_sync_dense.py); tests that kill it start their own."""
-    server = _early.pop("tiny_qwen2_engine", None)
-    if server is None:  # not launched early (a plugin that did not see the collection)
-        from .engines import tiny_engine
+def early_engine(family: str | None = None, *, scope: str = "module", params: list | None = None, tp_size: int = 1,
+                 extra_args: tuple = (), lora_rank: int | None = None, lora_target_modules: tuple = (),
+                 **model_overrides):
+    """A fixture (module or session scope) whose value is a real SGLang server of the tiny `family` model
+    (tiny_model_dir(family, **model_overrides)), launched ahead of its first user (_EarlyEngines) and stopped after
+    its last. With `params`, one engine per param and `family=None` serves the param's family. Assign it to the name
+    the tests ask for: `engine = early_engine("qwen2", num_hidden_layers=3)`."""
+    if scope not in ("module", "session"):
+        raise ValueError("early_engine: scope must be 'module' or 'session' (one engine per key is launched ahead)")
 
-        with tiny_engine("qwen2", str(tmp_path_factory.mktemp("tiny-qwen2-engine"))) as server:
+    def config(param) -> dict:
+        return dict(family=family or param, model_overrides=model_overrides, tp_size=tp_size,
+                    extra_args=list(extra_args), lora_rank=lora_rank, lora_target_modules=list(lora_target_modules))
+
+    def fixture(request):
+        server = _early.claim((fixture, getattr(request, "param", None)))
+        try:
             yield server
-        return
-    try:
-        yield server.wait_ready()
-    finally:
-        server.stop()
+        finally:
+            server.stop()
+
+    _early.specs[fixture] = (family or "engine", config)
+    return pytest.fixture(scope=scope, params=params)(fixture)
+
+
+tiny_qwen2_engine = early_engine("qwen2", scope="session")
+tiny_qwen2_engine.__doc__ = """One real SGLang server of the default tiny Qwen2 (tiny_model_dir("qwen2")) for the whole
+session, shared by the tests that only generate from it or read its log-probs (a server start costs ~25 s on CPU).
+Tests that change its weights put them back (see tests/reshard/test_sync_dense.py); tests that kill it start their
+own."""

@@ -16,7 +16,7 @@ from megarl.config import ConfigError
 from megarl.launch.topology import format_topology, plan
 from megarl.parallel import ModelShape, ParallelConfig, ParallelConfigError
 from megarl.testing import run_ranks, tiny_model_dir
-from megarl.testing.engines import tiny_engine
+from megarl.testing.fixtures import early_engine
 from megarl.trainer.config import load_train_config
 from rl_batch import TEMPERATURE, rl_token_batch
 
@@ -253,10 +253,7 @@ def test_smoke_run_on_three_layers_at_pp2(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- sync into SGLang
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    with tiny_engine("qwen2", str(tmp_path_factory.mktemp("engine")), num_hidden_layers=3) as server:
-        yield server
+engine = early_engine("qwen2", num_hidden_layers=3)
 
 
 @pytest.mark.engine

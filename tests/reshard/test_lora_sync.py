@@ -11,6 +11,7 @@ import torch
 
 import ranks
 from megarl.testing import run_ranks, tiny_model_dir
+from megarl.testing.fixtures import early_engine
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = dict(rank=4, alpha=8.0, target_modules=TARGETS)
@@ -25,18 +26,9 @@ def _model() -> str:
 
 
 # ------------------------------------------------------------------------------------------------- engine tests
-@pytest.fixture(scope="module")
-def lora_engine(tmp_path_factory):
-    """The tiny Qwen2 (intermediate 176) served with LoRA enabled as an adapter-sync run starts it
-    (ServerConfig.lora_rank / targets)."""
-    from megarl.rollout import ServerConfig, SGLangServer
-
-    server = SGLangServer(ServerConfig(model_path=_model(), log_dir=str(tmp_path_factory.mktemp("lora")), lora_rank=4,
-                                       lora_target_modules=TARGETS)).start()
-    try:
-        yield server
-    finally:
-        server.stop()
+# The tiny Qwen2 (intermediate 176) served with LoRA enabled as an adapter-sync run starts it (ServerConfig.lora_rank /
+# lora_target_modules)
+lora_engine = early_engine("qwen2", lora_rank=4, lora_target_modules=tuple(TARGETS), **SHAPE)
 
 
 def _set_b(chunks, bridge, seed: int, scale: float = 0.1) -> None:

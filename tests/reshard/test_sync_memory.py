@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 import ranks
 from megarl.testing import run_ranks, tiny_model_dir
-from megarl.testing.engines import tiny_engine
+from megarl.testing.fixtures import early_engine
 
 pytestmark = pytest.mark.engine
 
@@ -17,10 +17,7 @@ MEDIUM = dict(hidden_size=256, intermediate_size=768, num_attention_heads=4, num
               vocab_size=16384)  # embedding / lm_head: 16 MiB each in fp32
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    with tiny_engine("qwen2", str(tmp_path_factory.mktemp("engine-memory")), **MEDIUM) as server:
-        yield server
+engine = early_engine("qwen2", **MEDIUM)
 
 
 def test_sync_peak_memory_is_bounded(engine):

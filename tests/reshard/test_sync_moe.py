@@ -12,14 +12,11 @@ import torch
 import ranks
 from megarl.reshard.verify import WeightMismatchError, expert_name, verify_checksums
 from megarl.testing import RankFailure, run_ranks, tiny_model_dir
-from megarl.testing.engines import tiny_engine
+from megarl.testing.fixtures import early_engine
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    with tiny_engine("qwen3_moe", str(tmp_path_factory.mktemp("engine-moe")),
-                     extra_args=("--enable-return-routed-experts",)) as server:
-        yield server
+ROUTED = ("--enable-return-routed-experts",)
+engine = early_engine("qwen3_moe", extra_args=ROUTED)
 
 
 @pytest.mark.engine
@@ -182,24 +179,27 @@ LAYOUTS = {"deepseek_v3": {"tp": 2, "ep": 2}, "glm4_moe": {"tp": 2, "ep": 2}, "m
            "qwen2_moe": {"ep": 2}, "qwen3_moe": {"tp": 2, "ep": 2}}
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def family_engine(request, tmp_path_factory):
-    if request.param == "qwen3_moe":  # the module's engine serves it: back to the model's own weights first
-        from megarl.rollout import EngineClient
-
-        server = request.getfixturevalue("engine")
-        result = EngineClient(server.url).call("/update_weights_from_disk", {"model_path": tiny_model_dir("qwen3_moe"),
-                                                                             "flush_cache": True})
-        assert result.get("success"), result
-        yield request.param, server
-        return
-    with tiny_engine(request.param, str(tmp_path_factory.mktemp(f"engine-{request.param}")),
-                     extra_args=("--enable-return-routed-experts",)) as server:
-        yield request.param, server
+# one engine per family but Qwen3-MoE, whose engine is the module's `engine`
+family_engine = early_engine(params=[f for f in FAMILIES if f != "qwen3_moe"], extra_args=ROUTED)
 
 
 @pytest.mark.engine
-def test_moe_family_in_the_engine_computes_transformers_model_syncs_and_routes_like_the_trainer(family_engine):
+def test_moe_family_in_the_engine_computes_transformers_model_syncs_and_routes_like_the_trainer(family_engine, request):
+    _family_in_the_engine(request.node.callspec.params["family_engine"], family_engine)
+
+
+@pytest.mark.engine
+def test_qwen3_moe_in_the_engine_computes_transformers_model_syncs_and_routes_like_the_trainer(engine):
+    from megarl.rollout import EngineClient
+
+    # the module's engine, back to the model's own weights first
+    result = EngineClient(engine.url).call("/update_weights_from_disk", {"model_path": tiny_model_dir("qwen3_moe"),
+                                                                         "flush_cache": True})
+    assert result.get("success"), result
+    _family_in_the_engine("qwen3_moe", engine)
+
+
+def _family_in_the_engine(family: str, server) -> None:
     """For each MoE family served by SGLang's CPU engine (DeepSeek-V3: MLA with YaRN, shared expert, sigmoid router
     with e_score_correction bias, group-limited routing; GLM-4.5: partial rotary, QK norm, shared experts, sigmoid
     router with bias; Mixtral; Qwen2-MoE: gated shared expert):
@@ -214,7 +214,6 @@ def test_moe_family_in_the_engine_computes_transformers_model_syncs_and_routes_l
 
     from megarl.rollout import EngineClient
 
-    family, server = family_engine
     path = tiny_model_dir(family)
     seq = [list(range(5, 41))]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

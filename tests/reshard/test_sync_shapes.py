@@ -14,7 +14,7 @@ import torch
 import ranks
 from megarl.reshard.verify import EngineShapes, engine_shapes, rank_slice, tensor_checksum
 from megarl.testing import RankFailure, run_ranks, tiny_model_dir
-from megarl.testing.engines import tiny_engine
+from megarl.testing.fixtures import early_engine
 
 # Qwen3, tied, GQA, head_dim 32 != hidden/heads = 16, intermediate 176, vocabulary 300
 ODD_QWEN3 = dict(intermediate_size=176, vocab_size=300)
@@ -68,10 +68,7 @@ def test_checksum_is_sglang_cpu_tensor_hash():
     assert tensor_checksum(t) == expected
 
 
-@pytest.fixture(scope="module")
-def qwen3_tp2(tmp_path_factory):
-    with tiny_engine("qwen3", str(tmp_path_factory.mktemp("engine-odd-qwen3")), tp_size=2, **ODD_QWEN3) as server:
-        yield server
+qwen3_tp2 = early_engine("qwen3", tp_size=2, **ODD_QWEN3)
 
 
 def _check(result):
