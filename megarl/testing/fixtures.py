@@ -23,9 +23,10 @@ class _EarlyEngines:
     no threads: tests fork ranks); each time a fixture claims its engine, the next ones are launched. A start is ~25 s
     of CPU on 2 cores (imports in three processes, the model, megarl's warm-up), so engines start while earlier tests
     run (the single-process tiers leave a core idle) and while the engine they wait for finishes its own start, instead
-    of one after another. AHEAD bounds the memory of engines not yet used (~1.4 GB each, PSS of a tiny MoE engine)."""
+    of one after another. AHEAD bounds the memory of engines not yet used (~1.4 GB each, PSS of a tiny MoE engine; an
+    idle one takes no CPU: --sleep-on-idle)."""
 
-    AHEAD = 2
+    AHEAD = 4
 
     def __init__(self):
         self.specs: dict = {}  # fixture function -> (name, param -> ServerConfig kwargs)

@@ -314,3 +314,28 @@ def test_adapters_are_zero_padded_like_the_engines_base_layers():
         assert tuple(out.shape) == padded, name
         assert torch.equal(out[:shape[0], :shape[1]], tensor), name
         assert not out[shape[0]:].any() and not out[:, shape[1]:].any(), name  # the padding is zeros
+
+
+@pytest.mark.unit
+def test_the_adapter_is_serialised_as_one_shared_storage():
+    """one_buffer: every tensor keeps its value, shape and dtype as a view of one storage, so torch's multiprocessing
+    pickler shares one file for the whole adapter (the engine rebuilds each tensor as a view of it)."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    from megarl.reshard.adapter import one_buffer
+
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7, dtype=torch.float64), "c": torch.randn(2, 9).bfloat16()}
+    out = one_buffer(tensors)
+    assert list(out) == list(tensors)
+    for name, t in tensors.items():
+        assert out[name].dtype == t.dtype and torch.equal(out[name], t), name
+    assert len({t.untyped_storage().data_ptr() for t in out.values()}) == 1
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        back = pickle.loads(ForkingPickler.dumps(out))
+    finally:
+        torch.multiprocessing.set_sharing_strategy(previous)
+    assert len({t.untyped_storage().data_ptr() for t in back.values()}) == 1
+    assert all(torch.equal(back[name], t) for name, t in tensors.items())
