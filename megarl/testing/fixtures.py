@@ -29,7 +29,7 @@ class _EarlyEngines:
     AHEAD = 4
 
     def __init__(self):
-        self.specs: dict = {}  # fixture function -> (name, param -> ServerConfig kwargs)
+        self.specs: dict = {}  # fixture function -> (name, param -> (family, model overrides, ServerConfig kwargs))
         self.queue: list = []  # (fixture function, param) not launched yet, in the order of first use
         self.launched: dict = {}  # (fixture function, param) -> SGLangServer launched, not yet claimed
         self.log_root = None
@@ -49,13 +49,14 @@ class _EarlyEngines:
     def _launch(self, key):
         from ..rollout import ServerConfig, SGLangServer
 
-        name, config = self.specs[key[0]]
-        kwargs = config(key[1])
-        family, overrides = kwargs.pop("family"), kwargs.pop("model_overrides")
-        log_dir = self.log_root / f"{name}-{key[1]}" if self.log_root else None
-        if log_dir is None:  # a plugin that did not see the collection
+        name, server_of = self.specs[key[0]]
+        family, overrides, kwargs = server_of(key[1])
+        if self.log_root is None:  # a plugin that did not see the collection
             import tempfile
+
             log_dir = tempfile.mkdtemp(prefix=f"megarl-{name}-")
+        else:
+            log_dir = self.log_root / f"{name}-{key[1]}"
         return SGLangServer(ServerConfig(model_path=tiny_model_dir(family, **overrides), log_dir=str(log_dir),
                                          **kwargs)).launch()
 
@@ -100,9 +101,9 @@ def early_engine(family: str | None = None, *, scope: str = "module", params: li
     if scope not in ("module", "session"):
         raise ValueError("early_engine: scope must be 'module' or 'session' (one engine per key is launched ahead)")
 
-    def config(param) -> dict:
-        return dict(family=family or param, model_overrides=model_overrides, tp_size=tp_size,
-                    extra_args=list(extra_args), lora_rank=lora_rank, lora_target_modules=list(lora_target_modules))
+    def server_of(param) -> tuple[str, dict, dict]:
+        return family or param, model_overrides, dict(tp_size=tp_size, extra_args=list(extra_args), lora_rank=lora_rank,
+                                                      lora_target_modules=list(lora_target_modules))
 
     def fixture(request):
         server = _early.claim((fixture, getattr(request, "param", None)))
@@ -111,7 +112,7 @@ def early_engine(family: str | None = None, *, scope: str = "module", params: li
         finally:
             server.stop()
 
-    _early.specs[fixture] = (family or "engine", config)
+    _early.specs[fixture] = (family or "engine", server_of)
     return pytest.fixture(scope=scope, params=params)(fixture)
 
 
