@@ -298,12 +298,9 @@ def _die_with_launcher() -> None:
     killed outright (SIGKILL, the OOM killer) would leave its workers training on, holding their devices, the run's
     files and the engines. The engines die with rank 0 in turn (megarl.rollout.server)."""
     if os.environ.get("TORCHELASTIC_RUN_ID"):
-        from megarl.rollout.server import die_with_parent
+        from megarl.lifetime import die_with_parent
 
-        parent = os.getppid()
-        die_with_parent()
-        if os.getppid() != parent:  # the launcher died before the line above
-            os._exit(1)
+        die_with_parent()  # exits at once when the launcher died already
 
 
 def main(argv=None) -> int:

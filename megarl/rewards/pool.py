@@ -14,6 +14,7 @@ import multiprocessing
 from concurrent.futures import Future, ProcessPoolExecutor, TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 
+from ..lifetime import die_with_parent, forkserver_context
 from .functions import RewardFn, check_reward_call, resolve_reward
 from ..sandbox import SandboxUnavailable, cgroups, check_sandbox
 
@@ -83,8 +84,10 @@ class RewardPool:
             self.pool.submit(check_sandbox).result()
 
     def _new_pool(self) -> ProcessPoolExecutor:
-        # forkserver: workers never inherit the trainer's threads or process groups
-        return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("forkserver"))
+        # forkserver: workers never inherit the trainer's threads or process groups; the server and each worker die
+        # with their parent (megarl.lifetime), so a killed trainer leaves no reward worker behind
+        return ProcessPoolExecutor(max_workers=self.workers, mp_context=forkserver_context(),
+                                   initializer=die_with_parent)
 
     def _replace_workers(self) -> None:
         """Kill every worker and start fresh ones. ProcessPoolExecutor has no public way to kill its workers, hence

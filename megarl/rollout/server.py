@@ -29,6 +29,7 @@ import requests
 from .. import platform
 from ..compat.sglang import CPU_STANDINS, cpu_server_env  # noqa: F401 - CPU_STANDINS: where the server finds them
 from ..errors import UserError
+from ..lifetime import die_with_parent
 from ..parallel.env import free_port
 
 if TYPE_CHECKING:
@@ -211,14 +212,6 @@ def engine_server_config(spec: FleetSpec, model_path: str, index: int = 0, host:
         (["--disable-overlap-schedule"] if spec.plain_event_loop else []),
         lora_rank=spec.lora.rank if spec.lora else None,
         lora_target_modules=list(spec.lora.target_modules) if spec.lora else [])
-
-
-def die_with_parent() -> None:
-    """This process is killed (SIGKILL) when the process that started it dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class SGLangServer:

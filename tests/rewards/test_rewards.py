@@ -134,3 +134,53 @@ def test_code_block_extraction_is_linear_and_takes_the_last_python_block():
     for hostile in ("```" * 200_000, "```python " + "a" * 1_000_000, ("```\n" + "x" * 1000) * 500):
         extract_code(hostile)
     assert time.monotonic() - start < 2
+
+
+_OWNER = """
+import os, time
+if __name__ == "__main__":
+    from megarl.rewards import RewardPool
+
+    pool = RewardPool("exact_match", workers=2)
+    assert pool.score([("1", "1"), ("2", "1")]) == [1.0, 0.0]  # the forkserver and its workers are running
+
+    def descendants(pid):
+        children = [int(c) for t in os.listdir(f"/proc/{pid}/task")
+                    for c in open(f"/proc/{pid}/task/{t}/children").read().split()]
+        return children + [d for c in children for d in descendants(c)]
+
+    print(" ".join(map(str, descendants(os.getpid()))), flush=True)
+    time.sleep(3600)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.unit
+def test_a_killed_owner_leaves_no_reward_worker_behind():
+    """megarl.lifetime: a process SIGKILLed while its RewardPool runs takes the pool's forkserver and workers with it
+    (Python's forkserver and ProcessPoolExecutor workers outlive a killed owner by themselves)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in owner.stdout.readline().split()]
+    finally:
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+    assert len(pids) >= 3, pids  # the resource tracker, the forkserver, its workers
+    deadline = time.monotonic() + 120  # the kernel signals them at once; a loaded machine may take a while to reap
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if _running(p)]
+    assert not left, [open(f"/proc/{p}/cmdline").read().replace("\0", " ")[:120] for p in left]
