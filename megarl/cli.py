@@ -304,6 +304,18 @@ def _die_with_launcher() -> None:
 
 
 def main(argv=None) -> int:
+    """The `megarl` command. Run as a program (argv None: the console script, `python -m megarl.cli`, every rank under
+    torchrun) it ends the process itself once everything is written (megarl.lifetime.exit_without_teardown); called
+    with argv (tests, a user's script) it returns the exit code."""
+    code = _main(argv)
+    if argv is None:
+        from megarl.lifetime import exit_without_teardown
+
+        exit_without_teardown(code)
+    return code
+
+
+def _main(argv) -> int:
     _log_to_stderr()
     _die_with_launcher()
     from megarl import platform  # noqa: F401  (its warning filters, before megatron-core is imported)
