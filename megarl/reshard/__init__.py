@@ -2,13 +2,14 @@
 rollout engine (tensor / distributed / disk transports), verified by checksums and probe log-probs."""
 from .adapter import AdapterTransport
 from .buckets import DEFAULT_BUCKET_BYTES, BucketPacker, FlatBucket
+from .delta import DeltaEncoder
 from .sync import SyncConfig, WeightSync
 from .transports import (TRANSPORTS, BucketPusher, DiskTransport, DistributedTransport, TensorTransport,
                          TransportOptions, WeightSource, WeightTransport, register_transport, resolve_transport,
                          send_buckets)
 from .verify import WeightMismatchError, tensor_checksum, verify_checksums, verify_probes
 
-__all__ = ["AdapterTransport", "DEFAULT_BUCKET_BYTES", "TRANSPORTS", "BucketPacker", "BucketPusher", "DiskTransport",
+__all__ = ["AdapterTransport", "DEFAULT_BUCKET_BYTES", "DeltaEncoder", "TRANSPORTS", "BucketPacker", "BucketPusher", "DiskTransport",
            "DistributedTransport", "FlatBucket", "SyncConfig", "TensorTransport", "TransportOptions",
            "WeightMismatchError", "WeightSource", "WeightSync", "WeightTransport", "engine_syncs", "register_transport",
            "resolve_transport", "send_buckets", "tensor_checksum", "verify_checksums", "verify_probes"]
@@ -35,5 +36,6 @@ def engine_syncs(clients: list, bridge, chunks: list, reshard, engine, run_dir: 
         syncs.append(WeightSync(bridge, chunks, transport, client if rank == 0 else None,
                                 SyncConfig(bucket_bytes=reshard.bucket_mb << 20, verify_every=reshard.verify_every,
                                            verify_checksums=reshard.verify_checksums, probe_atol=reshard.probe_atol,
-                                           engine_dtype=getattr(torch, engine.dtype) if engine.dtype else None)))
+                                           engine_dtype=getattr(torch, engine.dtype) if engine.dtype else None,
+                                           mode=reshard.mode, full_every=reshard.full_every)))
     return syncs

@@ -24,9 +24,11 @@ from .. import platform
 from ..compat import sglang as sglang_compat
 from ..rollout.client import EngineClient
 from ..rollout.server import EngineError
+from ..errors import UserError, on_rank0
 from .buckets import DEFAULT_BUCKET_BYTES, BucketPacker
+from .delta import DeltaEncoder
 from .transports import WeightSource, WeightTransport
-from .verify import engine_dtypes, probe_sequences, verify_checksums, verify_probes
+from .verify import WeightMismatchError, engine_dtypes, probe_sequences, verify_checksums, verify_probes
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ class SyncConfig:
     verify_checksums: bool = True
     probe_atol: float | None = None  # None: 1e-3 for fp32 engines, 5e-2 otherwise
     engine_dtype: torch.dtype | None = None  # None: float32 on CPU, bfloat16 on GPU
+    mode: str = "full"  # full | delta (megarl.reshard.delta: only what changed in the engine's dtype)
+    full_every: int = 20  # delta: every N-th sync is full (0: only when forced)
 
 
 class WeightSync:
@@ -53,17 +57,25 @@ class WeightSync:
         self.owners = bridge.owner_ranks(chunks)
         transport.setup(self.owners)
         self.probes = probe_sequences(bridge.vocab_size)
+        # delta: this rank's shadow of what the engine holds; the version the engine must hold for a delta to apply
+        self.delta = DeltaEncoder() if self.cfg.mode == "delta" else None
+        self.pushed_version: str | None = None
+        self.since_full = 0
         self.source = WeightSource(bridge, chunks, self.owners, BucketPacker(
             self.cfg.bucket_bytes, shared_memory=transport.shared_memory),
-            engine_dtypes(bridge.hf.config, self.dtype))
+            engine_dtypes(bridge.hf.config, self.dtype), self.delta)
         self.last_stats: dict = {}
 
-    def sync(self, version: str | None = None, verify: bool | None = None) -> dict:
+    def sync(self, version: str | None = None, verify: bool | None = None, full: bool = False) -> dict:
         """Push the trainer's current weights into the engine; verify when due (or as `verify` says). Returns
-        timing/size stats."""
+        timing/size stats. reshard.mode=delta sends what changed, unless the sync must be full (`full`, or
+        full_sync_needed); a delta sync whose verification fails is followed by a full one, verified."""
         version = version or f"megarl-{self.count + 1}"
         rank = dist.get_rank()
         start = time.perf_counter()
+        whole = self.delta is not None and (full or self.full_sync_needed())
+        if whole:
+            self.delta.reset()
         window = rank == 0 and not self.adapter_only
         if window:
             self._open_window()
@@ -71,6 +83,8 @@ class WeightSync:
         try:
             pushed_bytes, buckets = self.transport.send(self.source, version)
         except BaseException:
+            if self.delta is not None:  # what the engine took of this push is unknown: this rank's next one is whole
+                self.delta.reset()
             if window:  # close the window if the engine still can; the push's error is the one to report
                 with contextlib.suppress(Exception):
                     self.client.end_weight_update()
@@ -79,12 +93,41 @@ class WeightSync:
         if window:
             self.client.end_weight_update()  # each update flushed the engine's prefix cache (transports._flush)
         self.count += 1
+        self.pushed_version = version
         stats = {"sync_s": time.perf_counter() - start, "pushed_bytes": _sum(pushed_bytes),
                  "buckets": int(_sum(buckets)), "version": version}
+        if self.delta is not None:
+            self.since_full = 0 if whole else self.since_full + 1
+            stats.update(self._delta_stats(whole))
         if self._due(self.count) if verify is None else verify:
-            stats.update(self.verify())
+            try:
+                stats.update(self.verify())
+            except UserError as e:
+                # WeightMismatchError on rank 0, its RemoteUserError everywhere else (megarl.errors.on_rank0)
+                mismatch = isinstance(e, WeightMismatchError) or getattr(e, "kind", "") == WeightMismatchError.__name__
+                if not mismatch or self.delta is None or whole:
+                    raise
+                if rank == 0:
+                    logger.warning("a delta weight sync failed its verification (%s): sending every tensor whole", e)
+                return self.sync(version, verify=True, full=True)
         self.last_stats = stats
         return stats
+
+    def full_sync_needed(self) -> bool:
+        """Whether the next delta sync must send every tensor whole (a collective; the same answer on every rank):
+        nothing was sent yet by this process (a start or a resume), this is the full_every-th sync since the last full
+        one, or the engine does not hold the version this process pushed last (it restarted and serves its checkpoint,
+        or another writer pushed to it)."""
+        if self.count == 0 or (self.cfg.full_every and self.since_full + 1 >= self.cfg.full_every):
+            return True
+        return bool(on_rank0(lambda: self.client.weight_version() != self.pushed_version))
+
+    def _delta_stats(self, whole: bool) -> dict:
+        counts = self.delta.take_stats()
+        elements, changed = _sum(counts["elements"]), _sum(counts["changed"])
+        return {"full_sync": float(whole), "changed_frac": changed / max(elements, 1.0),
+                "sparse_tensors": int(_sum(counts["sparse"])), "unchanged_tensors": int(_sum(counts["unchanged"])),
+                "shadow_bytes": _sum(self.delta.shadow_bytes)}
 
     def _open_window(self) -> None:
         """Open the engine's weight-update window. At this process's first sync, a window already open is a trainer's

@@ -30,10 +30,12 @@ import torch.distributed as dist
 
 from .. import platform
 from ..algorithms.registry import registrar, resolve
+from ..compat.sglang import DELTA_BUCKET, DELTA_LOADER
 from ..parallel.env import free_port
 from ..rollout.client import EngineClient
 from ..rollout.server import EngineError
 from .buckets import BucketPacker, FlatBucket
+from .delta import DeltaEncoder
 
 
 def _flush() -> dict:
@@ -54,12 +56,14 @@ class TransportOptions:
 @dataclass
 class WeightSource:
     """What a transport sends: the trainer's model, the ranks that own HF tensors, the packer and the dtype each
-    tensor is sent in (megarl.reshard.verify.engine_dtypes: the engine's, float32 where the engine keeps it)."""
+    tensor is sent in (megarl.reshard.verify.engine_dtypes: the engine's, float32 where the engine keeps it); with
+    `delta` (reshard.mode=delta), each tensor is encoded against what this rank last sent (megarl.reshard.delta)."""
     bridge: object
     chunks: list
     owners: list[int]
     packer: BucketPacker
     dtype: Callable[[str], torch.dtype]
+    delta: DeltaEncoder | None = None
 
 
 class WeightTransport(Protocol):
@@ -105,8 +109,11 @@ def send_buckets(transport: BucketPusher, source: WeightSource, version: str) ->
     barrier. Returns (bytes, buckets) this rank pushed."""
     pushed_bytes, buckets = 0, 0
     for owner in source.owners:
-        stream = source.bridge.export_hf_weights(source.chunks, owner=owner, copy=False)
-        for bucket in source.packer.pack(stream, source.dtype):  # only the owner's stream yields buckets
+        stream, dtype = source.bridge.export_hf_weights(source.chunks, owner=owner, copy=False), source.dtype
+        if source.delta is not None:  # compared with what was sent, in the engine's dtype
+            stream, dtype = source.delta.encode((n, t.to(source.dtype(n))) for n, t in stream), None
+        for bucket in source.packer.pack(stream, dtype):  # only the owner's stream yields buckets
+            bucket.delta = source.delta is not None
             transport.push(bucket, version)
             pushed_bytes += bucket.nbytes
             buckets += 1
@@ -135,10 +142,13 @@ class TensorTransport:
         # One serialisation per engine TP rank: on CPU (torch's file_system sharing) each serialisation takes one
         # reference on the shared-memory file that exactly one deserialisation gives back; a single payload opened by
         # two ranks drops the file after the first ("unable to open shared memory object" on the second).
-        payloads = [MultiprocessingSerializer.serialize({"flattened_tensor": bucket.flat, "metadata": bucket.metadata},
-                                                        output_str=True) for _ in range(self.engine_tp)]
+        if bucket.delta:  # megarl's loader in the engine (megarl.compat.sglang.load_weight_delta)
+            content, load_format = [(delta_bucket_name(bucket), bucket.flat)], DELTA_LOADER
+        else:
+            content, load_format = {"flattened_tensor": bucket.flat, "metadata": bucket.metadata}, "flattened_bucket"
+        payloads = [MultiprocessingSerializer.serialize(content, output_str=True) for _ in range(self.engine_tp)]
         result = self.client.call("/update_weights_from_tensor", {
-            "serialized_named_tensors": payloads, "load_format": "flattened_bucket",
+            "serialized_named_tensors": payloads, "load_format": load_format,
             "weight_version": version, **_flush()})
         _check(result, "/update_weights_from_tensor", bucket)
 
@@ -195,6 +205,8 @@ class DistributedTransport:
         return send_buckets(self, source, version)
 
     def push(self, bucket: FlatBucket, version: str) -> None:
+        if bucket.delta:  # the config refuses it (reshard.mode=delta needs reshard.transport=tensor)
+            raise EngineError("the distributed transport does not send delta buckets; use reshard.transport=tensor")
         box = {}
         request = threading.Thread(target=self._call_into, args=(box, "/update_weights_from_distributed", {
             "names": bucket.names, "dtypes": [str(m.dtype).replace("torch.", "") for m in bucket.metadata],
@@ -240,6 +252,14 @@ class DiskTransport:
 
     def close(self) -> None:
         pass
+
+
+def delta_bucket_name(bucket: FlatBucket) -> str:
+    """The name the delta loader's one payload entry carries: its tensors' [name, dtype, shape, start, end]."""
+    import json
+
+    return DELTA_BUCKET + json.dumps([[m.name, str(m.dtype).removeprefix("torch."), list(m.shape), m.start_idx,
+                                       m.end_idx] for m in bucket.metadata])
 
 
 def _check(result, path: str, bucket: FlatBucket | None, error: Exception | None = None) -> None:

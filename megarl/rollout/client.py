@@ -167,6 +167,10 @@ class EngineClient:
     def end_weight_update(self):
         return self.call("/end_weight_update", {})
 
+    def weight_version(self) -> str | None:
+        """The weight version the engine serves (set by the last weight update; SGLang's default at its start)."""
+        return self.call("/model_info", method="GET").get("weight_version")
+
     def weight_checksums(self) -> dict[int, dict[str, str]]:
         """SGLang's per-tensor checksums from /weights_checker, per engine TP rank (each rank hashes its own shard of
         each tensor, under SGLang's own parameter names): {tp_rank: {name: checksum}}."""

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 import requests
 
 from .. import platform
-from ..compat.sglang import CPU_STANDINS, cpu_server_env  # noqa: F401 - CPU_STANDINS: where the server finds them
+from ..compat.sglang import CPU_STANDINS, DELTA_LOADER, cpu_server_env  # noqa: F401 - CPU_STANDINS: where the
+# server finds them
 from ..errors import UserError
 from ..lifetime import die_with_parent
 from ..parallel.env import free_port
@@ -86,6 +87,8 @@ class ServerConfig:
     # HF modules (model.lora's rank and target_modules); None: no LoRA
     lora_rank: int | None = None
     lora_target_modules: list[str] = field(default_factory=list)
+    # reshard.mode=delta: the server loads megarl's delta buckets (megarl.compat.sglang.load_weight_delta)
+    delta_sync: bool = False
 
 
 def server_command(cfg: ServerConfig, port: int | str, on_gpu: bool | None = None) -> tuple[list[str], dict]:
@@ -109,6 +112,8 @@ def server_command(cfg: ServerConfig, port: int | str, on_gpu: bool | None = Non
                 "--lora-target-modules", *cfg.lora_target_modules]
         if not on_gpu:  # the other LoRA backends are Triton / CUDA kernels
             cmd += ["--lora-backend", "torch_native"]
+    if cfg.delta_sync:
+        cmd += ["--custom-weight-loader", DELTA_LOADER]
     # The trainer runs under torchrun/Slurm; the server is its own distributed job and must not see the trainer's
     # rendezvous variables (with RANK/WORLD_SIZE/MASTER_PORT inherited, SGLang's startup waits on the trainer's store).
     env = {k: v for k, v in os.environ.items() if k not in _TRAINER_ENV and not k.startswith(("TORCHELASTIC_",
@@ -194,6 +199,7 @@ class FleetSpec:
     # reshard.lora_sync=adapter: the policy engines serve LoRA adapters of this shape (model.lora: a LoraConfig);
     # None: they serve the weights pushed into them
     lora: "LoraConfig | None" = None
+    delta_sync: bool = False  # reshard.mode=delta: the policy engines load delta buckets
 
 
 def engine_server_config(spec: FleetSpec, model_path: str, index: int = 0, host: str = "127.0.0.1",
@@ -211,7 +217,7 @@ def engine_server_config(spec: FleetSpec, model_path: str, index: int = 0, host:
         extra_args=list(e.extra_args) + (["--enable-return-routed-experts"] if spec.routed_experts else []) +
         (["--disable-overlap-schedule"] if spec.plain_event_loop else []),
         lora_rank=spec.lora.rank if spec.lora else None,
-        lora_target_modules=list(spec.lora.target_modules) if spec.lora else [])
+        lora_target_modules=list(spec.lora.target_modules) if spec.lora else [], delta_sync=spec.delta_sync)
 
 
 class SGLangServer:

@@ -1,4 +1,5 @@
-"""A real SGLang server on a tiny local model, for tests (started and always stopped)."""
+"""Real SGLang servers for tests and benchmarks: a tiny local model's (started and always stopped), and the one a run's
+config would start (run_server_config; launched ahead in tests by megarl.testing.fixtures.early_run_engine)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -17,13 +18,10 @@ def tiny_engine(family: str, log_dir: str, tp_size: int = 1, extra_args: tuple =
         server.stop()
 
 
-@contextmanager
-def run_engine(config: str, model_path: str, log_dir: str):
-    """The SGLang server a `megarl train <config>` run would start for itself (engine_server_config: dtype, seed, MoE
-    routing flags, ...), started and always stopped. Several runs given its URL (rollout.engine.urls=[url]) share it
-    instead of each starting one (~25 s per start on CPU); each run first pushes its own weights into it."""
+def run_server_config(config: str, model_path: str, log_dir: str) -> ServerConfig:
+    """The ServerConfig of the SGLang server a `megarl train <config>` run would start for itself
+    (engine_server_config: dtype, seed, MoE routing and LoRA flags, ...), serving `model_path`."""
     from ..rollout.server import engine_server_config
     from ..trainer.config import fleet_spec, load_train_config
 
-    with SGLangServer(engine_server_config(fleet_spec(load_train_config(config)), model_path, log_dir=log_dir)) as server:
-        yield server
+    return engine_server_config(fleet_spec(load_train_config(config)), model_path, log_dir=log_dir)

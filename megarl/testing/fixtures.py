@@ -1,8 +1,14 @@
 """pytest fixtures (enable with `pytest_plugins = ["megarl.testing.fixtures"]` in a conftest.py)."""
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
 import pytest
 
 from ..models.tiny import FAMILIES
 from .models import tiny_model_dir
+
+if TYPE_CHECKING:
+    from ..rollout import ServerConfig
 
 
 @pytest.fixture
@@ -47,18 +53,17 @@ class _EarlyEngines:
         self._top_up()
 
     def _launch(self, key):
-        from ..rollout import ServerConfig, SGLangServer
+        from ..rollout import SGLangServer
 
         name, server_of = self.specs[key[0]]
-        family, overrides, kwargs = server_of(key[1])
         if self.log_root is None:  # a plugin that did not see the collection
             import tempfile
 
             log_dir = tempfile.mkdtemp(prefix=f"megarl-{name}-")
         else:
             log_dir = self.log_root / f"{name}-{key[1]}"
-        return SGLangServer(ServerConfig(model_path=tiny_model_dir(family, **overrides), log_dir=str(log_dir),
-                                         **kwargs)).launch()
+            log_dir.mkdir(parents=True, exist_ok=True)
+        return SGLangServer(server_of(key[1], str(log_dir))).launch()
 
     def _top_up(self) -> None:
         while self.queue and len(self.launched) < self.AHEAD:
@@ -93,17 +98,23 @@ def pytest_sessionfinish(session):
 
 def early_engine(family: str | None = None, *, scope: str = "module", params: list | None = None, tp_size: int = 1,
                  extra_args: tuple = (), lora_rank: int | None = None, lora_target_modules: tuple = (),
-                 **model_overrides):
+                 server: Callable[[Any, str], "ServerConfig"] | None = None, **model_overrides):
     """A fixture (module or session scope) whose value is a real SGLang server of the tiny `family` model
     (tiny_model_dir(family, **model_overrides)), launched ahead of its first user (_EarlyEngines) and stopped after
     its last. With `params`, one engine per param and `family=None` serves the param's family. Assign it to the name
-    the tests ask for: `engine = early_engine("qwen2", num_hidden_layers=3)`."""
+    the tests ask for: `engine = early_engine("qwen2", num_hidden_layers=3)`. `server(param, log_dir)`: the engine's
+    ServerConfig instead (early_run_engine: the engine a run's config would start)."""
     if scope not in ("module", "session"):
         raise ValueError("early_engine: scope must be 'module' or 'session' (one engine per key is launched ahead)")
 
-    def server_of(param) -> tuple[str, dict, dict]:
-        return family or param, model_overrides, dict(tp_size=tp_size, extra_args=list(extra_args), lora_rank=lora_rank,
-                                                      lora_target_modules=list(lora_target_modules))
+    def server_of(param, log_dir: str) -> "ServerConfig":
+        if server is not None:
+            return server(param, log_dir)
+        from ..rollout import ServerConfig
+
+        return ServerConfig(model_path=tiny_model_dir(family or param, **model_overrides), log_dir=log_dir,
+                            tp_size=tp_size, extra_args=list(extra_args), lora_rank=lora_rank,
+                            lora_target_modules=list(lora_target_modules))
 
     def fixture(request):
         server = _early.claim((fixture, getattr(request, "param", None)))
@@ -114,6 +125,20 @@ def early_engine(family: str | None = None, *, scope: str = "module", params: li
 
     _early.specs[fixture] = (family or "engine", server_of)
     return pytest.fixture(scope=scope, params=params)(fixture)
+
+
+def early_run_engine(write_config: Callable[[Path, Any], str], model: Callable[[Any], str], *,
+                     scope: str = "module", params: list | None = None):
+    """An early_engine that is the SGLang server a `megarl train` run would start for itself (run_server_config:
+    dtype, seed, MoE routing and LoRA flags, ...): `write_config(folder, param)` writes the run's config into `folder`
+    and returns its path, `model(param)` is the model folder the engine loads. Runs given its URL
+    (rollout.engine.urls=[url]) share it; each first pushes its own weights into it."""
+    from .engines import run_server_config
+
+    def server(param, log_dir: str):
+        return run_server_config(write_config(Path(log_dir), param), model(param), log_dir)
+
+    return early_engine(scope=scope, params=params, server=server)
 
 
 tiny_qwen2_engine = early_engine("qwen2", scope="session")

@@ -482,13 +482,25 @@ class ReshardConfig:
     # the generation requests name (megarl.reshard.adapter; `transport` is not used). merged: the merged full weights
     # go over `transport`, for engines or kernels without LoRA support.
     lora_sync: Optional[str] = None
+    # full: every sync pushes every tensor. delta: only the values that changed in the engine's dtype since the last
+    # sync (megarl.reshard.delta; pays for a bf16/FP8 engine at RL learning rates, not for an fp32 one, where every
+    # value changes), over reshard.transport=tensor; the engines start with megarl's custom weight loader. A full
+    # sync is still sent at a process's first sync, when the engine does not hold the last pushed version (a
+    # restart), after a failed verification, and every `full_every` syncs (0: never on a schedule).
+    mode: str = "full"
+    full_every: int = 20
 
     def __post_init__(self):
         if self.lora_sync is not None:
             _choice("reshard.lora_sync", self.lora_sync, ("adapter", "merged"))
         if ":" not in self.transport:  # "package.module:Class": a user's transport, imported when the sync starts
             _choice("reshard.transport", self.transport, ("tensor", "distributed", "disk"))
+        _choice("reshard.mode", self.mode, ("full", "delta"))
+        if self.mode == "delta" and self.transport != "tensor":
+            raise ConfigError(f"reshard.mode=delta sends its deltas over reshard.transport=tensor only, got "
+                              f"reshard.transport={self.transport}. Fix: reshard.transport=tensor, or reshard.mode=full")
         _at_least("reshard", self, ("bucket_mb",))
+        _at_least("reshard", self, ("full_every",), low=0)
 
 
 @dataclass
@@ -586,6 +598,10 @@ class TrainConfig:
         if mode is not None and self.model.lora is None:
             raise ConfigError(f"reshard.lora_sync={mode} is set but model.lora is not (a full fine-tuning run pushes "
                               "its full weights). Fix: unset reshard.lora_sync, or set model.lora")
+        if self.reshard.mode == "delta" and adapter_sync(self) is not None:
+            raise ConfigError("reshard.mode=delta changes the engine's full weights, but this LoRA run syncs its "
+                              "adapters alone (reshard.lora_sync=adapter, or unset). Fix: reshard.mode=full, or "
+                              "reshard.lora_sync=merged")
         blocker = adapter_sync_blocker(self)
         if mode == "adapter" and blocker:
             raise ConfigError(f"reshard.lora_sync=adapter: {blocker}. Fix: reshard.lora_sync=merged (merged full "
@@ -877,7 +893,8 @@ def fleet_spec(cfg: TrainConfig) -> "FleetSpec":
     """The run's SGLang servers (megarl.rollout.server.FleetSpec) from its sections: rollout.engine, teacher (when
     enabled), pools, with the seed, <run_dir>/engine, rollout.deterministic, the MoE routing flag
     (rollout.engine_routing), the plain event loop partial rollouts need (rl.max_staleness > 0 with
-    rl.partial_rollouts) and LoRA serving for an adapter-only sync (adapter_sync)."""
+    rl.partial_rollouts), LoRA serving for an adapter-only sync (adapter_sync) and the delta sync's weight loader
+    (reshard.mode=delta)."""
     import os
 
     from ..rollout.server import FleetSpec
@@ -886,4 +903,4 @@ def fleet_spec(cfg: TrainConfig) -> "FleetSpec":
                      seeded_sampling=cfg.rollout.deterministic, routed_experts=cfg.rollout.engine_routing,
                      plain_event_loop=cfg.rl.max_staleness > 0 and cfg.rl.partial_rollouts,
                      teacher=cfg.teacher if cfg.teacher.enabled else None, pools=dict(cfg.pools),
-                     lora=adapter_sync(cfg))
+                     lora=adapter_sync(cfg), delta_sync=cfg.reshard.mode == "delta")

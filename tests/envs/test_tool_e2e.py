@@ -11,6 +11,7 @@ import sys
 import pytest
 import yaml
 
+from megarl.testing.fixtures import early_run_engine
 from megarl.trainer.rl import dumped_samples
 
 pytestmark = pytest.mark.e2e
@@ -45,6 +46,17 @@ def _config(tmp) -> str:
     return str(path)
 
 
+def _model(_=None) -> str:
+    from megarl.testing import tiny_model_dir
+
+    return tiny_model_dir(TINY["family"], tokenizer=TINY["tokenizer"], **TINY["overrides"])
+
+
+# the engine the run would start itself, launched ahead (a start costs ~25 s): the run (after its SFT) and `megarl
+# eval` each push their weights into it first (verified)
+engine = early_run_engine(lambda folder, _: _config(folder), _model)
+
+
 def _torchrun(args: list[str], nproc: int, log: str, timeout: float = 900) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     with open(log, "w") as out:
@@ -55,11 +67,11 @@ def _torchrun(args: list[str], nproc: int, log: str, timeout: float = 900) -> No
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, engine):
     tmp = tmp_path_factory.mktemp("tool")
     config = _config(tmp)
-    _torchrun(["run", config], 2, str(tmp / "run.log"))
-    return tmp, config
+    _torchrun(["run", config, f"rollout.engine.urls=[{engine.url}]"], 2, str(tmp / "run.log"))
+    return tmp, config, engine.url
 
 
 def _metrics(run_dir) -> dict:
@@ -94,7 +106,7 @@ def expected_tool_answer(turn_text: str) -> str | None:
 
 
 def test_tool_episodes_train_exactly_the_engine_tokens_of_the_model_turns(run):
-    tmp, _ = run
+    tmp = run[0]
     run_dir = tmp / "run"
     tok = _tokenizer(run_dir)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
@@ -136,7 +148,7 @@ def test_tool_episodes_train_exactly_the_engine_tokens_of_the_model_turns(run):
 
 
 def test_tool_run_metrics(run):
-    tmp, _ = run
+    tmp = run[0]
     metrics = _metrics(tmp / "run")
     for step in range(1, STEPS + 1):
         m = metrics[step]
@@ -162,12 +174,12 @@ def test_megarl_eval_perplexity_matches_transformers_and_engine(run):
     import torch
     from transformers import AutoModelForCausalLM
 
-    tmp, config = run
+    tmp, config, url = run
     responses = tmp / "responses.jsonl"
     pairs = [("3*4=", "12"), ("7*8=", "56"), ("9*9=", "The answer is 81.")]
     responses.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in pairs))
     _torchrun(["eval", config, "--samples", "4", "--responses", str(responses), "--out", str(tmp / "eval"),
-               "rl.forgetting_kl=false"], 1, str(tmp / "eval.log"))  # the run's test covers it; no reference here
+               "rl.forgetting_kl=false", f"rollout.engine.urls=[{url}]"], 1, str(tmp / "eval.log"))  # the run's test covers it; no reference here
     result = json.load(open(tmp / "eval" / "eval.json"))
     assert result["step"] == STEPS and len(result["pass_at_k_curve"]) == 4
     assert os.path.getsize(tmp / "eval" / "pass_at_k.png") > 1000

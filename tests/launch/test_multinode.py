@@ -10,7 +10,7 @@ import pytest
 
 from megarl.parallel.env import free_port
 from megarl.testing import tiny_model_dir
-from megarl.testing.engines import run_engine
+from megarl.testing.fixtures import early_run_engine
 from tiny_rl import TINY, write_config
 
 pytestmark = pytest.mark.e2e
@@ -55,19 +55,25 @@ def _metrics(run_dir) -> dict:
     return {s: {k: v for k, v in m.items() if not k.startswith(skip)} for s, m in by_step.items()}
 
 
-def test_two_torchrun_nodes_agree_with_one(tmp_path):
+def _model(_=None) -> str:
+    return tiny_model_dir(TINY["family"], tokenizer=TINY["tokenizer"], **TINY["overrides"])
+
+
+# one engine for both runs, the one a run would start itself (launched ahead): each run first pushes its initial
+# weights into it
+engine = early_run_engine(lambda folder, _: _config(folder, "engine", _model()), _model)
+
+
+def test_two_torchrun_nodes_agree_with_one(tmp_path, engine):
     """The static rendezvous waits for all 4 ranks, so the run completes only with both agents (node 1 hosts global
     ranks 2-3, the second TP pair = the second DP replica)."""
-    model = tiny_model_dir(TINY["family"], tokenizer=TINY["tokenizer"], **TINY["overrides"])
-    configs = {name: _config(tmp_path, name, model) for name in ("two_nodes", "one_node")}
-    # one engine for both runs, the one a run would start itself: each run first pushes its initial weights into it
-    with run_engine(configs["one_node"], model, str(tmp_path / "engine")) as server:
-        port = free_port()
-        logs = [str(tmp_path / f"node{i}.log") for i in (0, 1)]
-        two = [_agent(configs["two_nodes"], 2, i, 2, port, logs[i], server.url) for i in (0, 1)]
-        _finish(two, logs)
-        one_log = str(tmp_path / "one.log")
-        _finish([_agent(configs["one_node"], 1, 0, 4, free_port(), one_log, server.url)], [one_log])
+    configs = {name: _config(tmp_path, name, _model()) for name in ("two_nodes", "one_node")}
+    port = free_port()
+    logs = [str(tmp_path / f"node{i}.log") for i in (0, 1)]
+    two = [_agent(configs["two_nodes"], 2, i, 2, port, logs[i], engine.url) for i in (0, 1)]
+    _finish(two, logs)
+    one_log = str(tmp_path / "one.log")
+    _finish([_agent(configs["one_node"], 1, 0, 4, free_port(), one_log, engine.url)], [one_log])
     two_nodes, one_node = _metrics(tmp_path / "two_nodes"), _metrics(tmp_path / "one_node")
     assert sorted(two_nodes) == list(range(STEPS + 1))
     for step in range(1, STEPS + 1):

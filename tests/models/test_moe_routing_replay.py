@@ -12,7 +12,7 @@ import yaml
 import ranks
 from megarl.config import ConfigError
 from megarl.testing import run_ranks, tiny_model_dir
-from megarl.testing.engines import run_engine
+from megarl.testing.fixtures import early_run_engine
 from megarl.trainer.batching import Sample, token_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<package>/ -> repo
@@ -59,19 +59,26 @@ def log_name(config: str) -> str:
     return os.path.basename(config)[:-len(".yaml")]
 
 
+def _model(family: str) -> str:
+    return tiny_model_dir(family, tokenizer="char", **TINY_MOE[family])
+
+
+# per family, the engine a run would start itself (bf16, returns routed experts), launched ahead: both runs use it
+engine = early_run_engine(lambda folder, family: _config(folder, "engine", False, _model(family)), _model,
+                          params=sorted(TINY_MOE))
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("family", sorted(TINY_MOE))
-def test_routing_replay_makes_training_route_like_the_engine(tmp_path, family):
+def test_routing_replay_makes_training_route_like_the_engine(tmp_path, engine, request):
     """Step 1 draws the same rollouts either way (same seeds, same weights), so the two runs compare the trainer's
     log-probs of identical tokens: with R3 the trainer uses exactly the engine's experts and its log-probs move
     closer to the engine's. Both runs use one engine (rollout.engine.urls; a start costs ~25 s), the one a run would
     start itself: each run first pushes its initial weights into it (verified), so step 1 samples from the same
     weights."""
-    model = tiny_model_dir(family, tokenizer="char", **TINY_MOE[family])
+    model = _model(request.node.callspec.params["engine"])  # the family
     configs = {r3: _config(tmp_path, f"r3_{'on' if r3 else 'off'}", r3, model) for r3 in (False, True)}
-    with run_engine(configs[False], model, str(tmp_path / "engine")) as server:  # bf16, returns routed experts
-        off = _train(configs[False], str(tmp_path / "off.log"), server.url)
-        on = _train(configs[True], str(tmp_path / "on.log"), server.url)
+    off = _train(configs[False], str(tmp_path / "off.log"), engine.url)
+    on = _train(configs[True], str(tmp_path / "on.log"), engine.url)
     assert off["rollout/samples"] == on["rollout/samples"] == 32 and on["grad_norm"] > 0
     for key in ("reward/mean", "response_len/mean", "rollout/tokens"):  # the same rollouts (R3 changes no sampling)
         assert on[key] == off[key], key

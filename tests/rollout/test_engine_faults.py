@@ -9,7 +9,7 @@ import time
 import pytest
 
 from megarl.rollout import EngineClient, EngineError, EngineRouter
-from megarl.testing.engines import tiny_engine
+from megarl.testing.fixtures import early_engine
 
 pytestmark = pytest.mark.engine
 
@@ -57,10 +57,8 @@ def _kill(srv, delay):
     os.killpg(srv.process.pid, signal.SIGKILL)
 
 
-@pytest.fixture
-def server(tmp_path):
-    with tiny_engine("qwen2", str(tmp_path / "engine-faults")) as server:
-        yield server  # stop() also handles a server the test left dead
+# the test kills it: its own engine, launched ahead; its stop() also handles a server the test left dead
+server = early_engine("qwen2")
 
 
 def test_killed_server_is_restarted_then_capped(server):

@@ -19,6 +19,7 @@ from megarl.losses import TokenBatch, prepare_global_batch
 from megarl.losses.rl import rl_objective
 from megarl.rollout.client import Completion
 from megarl.rollout.router import EngineRouter
+from megarl.testing.fixtures import early_run_engine
 from megarl.trainer.async_rollout import (RolloutBatch, RolloutProducer, lag_stats, token_versions, version_name,
                                           version_number)
 
@@ -328,35 +329,39 @@ def _trained_rows(run_dir, step: int) -> list:
                   key=lambda r: r["sample"])
 
 
-@pytest.fixture(scope="module")
-def async_run(tmp_path_factory):
-    """A k = 1 run SIGKILLed (torchrun, which takes its workers with it) right after its first checkpoint, which holds
-    the rollouts already generated for the next steps; then resumed to the end. Both runs use one engine
-    (rollout.engine.urls), the one the run would start itself (a start costs ~30 s, minutes on a loaded machine):
-    each run first pushes its own weights into it, the resumed one those of its checkpoint. That a killed run's own
-    engine dies with it is tests/trainer/test_trainer_e2e.py's."""
+def _tiny_model(_=None) -> str:
     from megarl.testing import tiny_model_dir
-    from megarl.testing.engines import run_engine
     from tiny_rl import TINY
 
+    return tiny_model_dir(TINY["family"], tokenizer=TINY["tokenizer"], **TINY["overrides"])
+
+
+# the engine a run of this config would start itself, launched ahead (a start costs ~30 s, minutes on a loaded machine)
+run_engine = early_run_engine(lambda folder, _: _async_config(folder, "engine", _tiny_model()), _tiny_model)
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory, run_engine):
+    """A k = 1 run SIGKILLed (torchrun, which takes its workers with it) right after its first checkpoint, which holds
+    the rollouts already generated for the next steps; then resumed to the end. Both runs use one engine
+    (rollout.engine.urls): each run first pushes its own weights into it, the resumed one those of its checkpoint.
+    That a killed run's own engine dies with it is tests/trainer/test_trainer_e2e.py's."""
     tmp = tmp_path_factory.mktemp("async")
-    model = tiny_model_dir(TINY["family"], tokenizer=TINY["tokenizer"], **TINY["overrides"])
-    config = _async_config(tmp, "run", model)
+    config = _async_config(tmp, "run", _tiny_model())
     run_dir, log = tmp / "run", str(tmp / "killed.log")
-    with run_engine(config, model, str(tmp / "engine")) as server:
-        proc = _train(config, 29771, log, server.url)
-        latest = run_dir / "checkpoints" / "latest"
-        while not latest.exists():
-            assert proc.poll() is None, "the run ended before it could be killed:\n" + open(log).read()[-3000:]
-            time.sleep(0.1)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        deadline = time.monotonic() + 120
-        while subprocess.run(["pgrep", "-f", config], capture_output=True).stdout.strip():
-            # the workers die with torchrun (PR_SET_PDEATHSIG): at once, but a loaded machine may take a while
-            assert time.monotonic() < deadline, "the killed run's workers outlived their torchrun by 120 s"
-            time.sleep(0.1)
-        _finish(_train(config, 29772, log + ".resumed", server.url), log + ".resumed")
+    proc = _train(config, 29771, log, run_engine.url)
+    latest = run_dir / "checkpoints" / "latest"
+    while not latest.exists():
+        assert proc.poll() is None, "the run ended before it could be killed:\n" + open(log).read()[-3000:]
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 120
+    while subprocess.run(["pgrep", "-f", config], capture_output=True).stdout.strip():
+        # the workers die with torchrun (PR_SET_PDEATHSIG): at once, but a loaded machine may take a while
+        assert time.monotonic() < deadline, "the killed run's workers outlived their torchrun by 120 s"
+        time.sleep(0.1)
+    _finish(_train(config, 29772, log + ".resumed", run_engine.url), log + ".resumed")
     return run_dir, open(log + ".resumed").read()
 
 

@@ -10,23 +10,39 @@ import sys
 import pytest
 
 from megarl.parallel.env import free_port
+from megarl.testing import tiny_model_dir
+from megarl.testing.fixtures import early_run_engine
 from tiny_rl import TINY, write_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def _config(folder, name: str) -> str:
+    return write_config(folder, name, model={"lora": {"rank": 4, "alpha": 8.0, "target_modules": ALL}},
+                        algorithm={"kl_coef": 0.1}, rl={"steps": 2, "mini_batches": 1, "forgetting_kl": True},
+                        reshard={"verify_every": 1})
+
+
+def _model(_=None) -> str:
+    return tiny_model_dir(TINY["family"], tokenizer=TINY["tokenizer"], **TINY["overrides"])
+
+
+# the engine the run would start itself (base weights, LoRA enabled at the run's rank and targets), launched ahead (a
+# start costs ~25 s); the run loads its adapters into it
+engine = early_run_engine(lambda folder, _: _config(folder, "engine"), _model)
+
+
 @pytest.mark.e2e
-def test_lora_rl_run_syncs_adapters_and_anchors_the_kl_to_the_initial_policy(tmp_path):
-    config = write_config(tmp_path, "lora", model={"lora": {"rank": 4, "alpha": 8.0, "target_modules": ALL}},
-                          algorithm={"kl_coef": 0.1}, rl={"steps": 2, "mini_batches": 1, "forgetting_kl": True},
-                          reshard={"verify_every": 1})
+def test_lora_rl_run_syncs_adapters_and_anchors_the_kl_to_the_initial_policy(tmp_path, engine):
+    config = _config(tmp_path, "lora")
     log = tmp_path / "train.log"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     with open(log, "w") as out:
         rc = subprocess.run([sys.executable, "-m", "megarl.launch.torchrun", "--nproc_per_node", "1", "--master_port",
-                             str(free_port()), "-m", "megarl.cli", "train", config], cwd=ROOT, env=env, stdout=out,
+                             str(free_port()), "-m", "megarl.cli", "train", config,
+                             f"rollout.engine.urls=[{engine.url}]"], cwd=ROOT, env=env, stdout=out,
                             stderr=subprocess.STDOUT, timeout=900).returncode
     assert rc == 0, log.read_text()[-4000:]
     steps: dict = {}

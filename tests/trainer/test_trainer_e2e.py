@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from megarl.testing import run_ranks
+from megarl.testing import run_ranks, tiny_model_dir
+from megarl.testing.fixtures import early_run_engine
 from megarl.trainer.rl import dumped_samples
 from tiny_rl import TINY, write_config
 
@@ -72,11 +73,13 @@ def _rl_config(tmp_path, name: str) -> str:
         reshard={"verify_every": 2}, checkpoint={"save_every": 1, "keep": 10})
 
 
-def _torchrun(config: str, port: int, log: str) -> subprocess.Popen:
+def _torchrun(config: str, port: int, log: str, url: str | None = None) -> subprocess.Popen:
+    """`megarl train config` on 2 ranks; with `url`, on that engine (rollout.engine.urls), else on its own."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), env_path()]),
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    engine = [f"rollout.engine.urls=[{url}]"] if url else []
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             str(port), "-m", "megarl.cli", "train", config], cwd=ROOT, env=env,
+                             str(port), "-m", "megarl.cli", "train", config, *engine], cwd=ROOT, env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -106,12 +109,22 @@ def _wait(proc: subprocess.Popen, log: str, timeout: float = 600) -> None:
     assert rc == 0, f"megarl train failed ({rc}); log tail:\n" + open(log).read()[-4000:]
 
 
+def _tiny_model(_=None) -> str:
+    return tiny_model_dir(TINY["family"], tokenizer=TINY["tokenizer"], **TINY["overrides"])
+
+
+# The engine this config's run would start itself, launched ahead (a start costs ~25 s): the uninterrupted run and
+# the resumed one use it (each first pushes its own weights into it, verified); the killed run starts its own, whose
+# death with the run test_resume_after_sigkill_reproduces_the_metrics checks.
+run_engine = early_run_engine(lambda folder, _: _rl_config(folder, "engine"), _tiny_model)
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(tmp_path_factory, run_engine):
     tmp = tmp_path_factory.mktemp("rl")
     config = _rl_config(tmp, "full")
     log = str(tmp / "full.log")
-    _wait(_torchrun(config, 29731, log), log)
+    _wait(_torchrun(config, 29731, log, run_engine.url), log)
     return tmp / "full"
 
 
@@ -175,7 +188,7 @@ def test_synchronous_run_equals_the_code_before_async_rl(uninterrupted):
 
 
 @pytest.mark.e2e
-def test_resume_after_sigkill_reproduces_the_metrics(uninterrupted, tmp_path):
+def test_resume_after_sigkill_reproduces_the_metrics(uninterrupted, run_engine, tmp_path):
     config = _rl_config(tmp_path, "killed")
     run_dir = tmp_path / "killed"
     log = str(tmp_path / "killed.log")
@@ -189,7 +202,7 @@ def test_resume_after_sigkill_reproduces_the_metrics(uninterrupted, tmp_path):
     time.sleep(random.Random().uniform(0.0, 1.5))  # somewhere inside step 3 (or its checkpoint)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    _wait(_torchrun(config, 29742, log + ".resumed"), log + ".resumed")
+    _wait(_torchrun(config, 29742, log + ".resumed", run_engine.url), log + ".resumed")
     resumed, reference = _metrics(run_dir), _metrics(uninterrupted)
     assert sorted(resumed) == sorted(reference)
     for step in reference:
