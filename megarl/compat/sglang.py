@@ -52,40 +52,41 @@ USED_INTERNALS = {
                                           '"/v1/models"', "parent=served_model_names[0]"),
     "sglang.srt.managers.io_struct": ("class LoadLoRAAdapterFromTensorsReqInput", "config_dict: Dict[str, Any]",
                                       "serialized_named_tensors: Annotated[List[bytes]"),
-    # megarl/reshard/delta.py: the custom weight loader extension point the delta sync loads through
+    # megarl/compat/sglang.py load_weight_delta: the custom weight loader extension point, and that every update path
+    # loads through the model's load_weights
     "sglang.srt.model_executor.model_runner_components.weight_updater": (
-        "elif load_format in self.custom_weight_loaders:", "custom_loader(self.get_model(), named_tensors)"),
+        "elif load_format in self.custom_weight_loaders:", "custom_loader(self.get_model(), named_tensors)",
+        "self.get_model().load_weights(named_tensors)", "self.get_model().load_weights(reconstructed_tensors)"),
     "sglang.srt.arg_groups.fields.model": ("custom_weight_loader: A[",),
 }
 # SGLang's answer to /begin_weight_update while a window is open (it keeps one per engine, whoever opened it)
 WEIGHT_WINDOW_OPEN = "a weight-update session is already open"
 
-# Delta weight sync (megarl/reshard/delta.py) through SGLang's own extension point: a server started with
-# `--custom-weight-loader DELTA_LOADER` calls load_weight_delta(model, named_tensors) for an /update_weights_from_tensor
-# whose load_format names it (SGLang 0.5.23: model_runner_components/weight_updater.py, update_weights_from_tensor).
-# Each payload entry is one flat bucket: its name is DELTA_BUCKET + the JSON list of its tensors' [name, dtype, shape,
-# start byte, end byte] (the loader gets nothing but names and tensors).
+# Delta weight sync (megarl/reshard/delta.py). SGLang loads every weight update (tensor, flattened bucket,
+# distributed broadcast, disk) through the model's load_weights, which knows HF names only. Its extension point for
+# other formats, `--custom-weight-loader`, is reached from /update_weights_from_tensor alone
+# (model_runner_components/weight_updater.py: custom_loader(self.get_model(), named_tensors)); the broadcast path has
+# none. So the trainer calls DELTA_LOADER once per sync with no tensors, and load_weight_delta wraps the model's
+# load_weights (an instance attribute: the model object, not SGLang's code) so that every later load takes megarl's
+# sparse updates (name#delta) against the whole tensors this engine was sent, over any transport.
 DELTA_LOADER = "megarl.compat.sglang.load_weight_delta"
-DELTA_BUCKET = "megarl-delta-bucket:"
 
 
 def load_weight_delta(model, named_tensors) -> None:
-    """Runs in the SGLang scheduler: unpack each bucket, patch the HF tensors this engine was last sent (kept in host
-    memory on the model object) with its deltas, and load the resulting whole tensors with the model's own
-    load_weights (its TP sharding and fusing rules)."""
-    import json
+    """SGLang's custom weight loader (runs in each engine TP rank's scheduler): make the model's load_weights take
+    delta updates (once per model object; a restarted engine is a new one), then load `named_tensors` through it."""
+    if not getattr(model.load_weights, "megarl_delta", False):
+        from ..reshard.delta import apply_delta
 
-    import torch
+        load_weights, base = model.load_weights, {}  # base: the whole HF tensors this engine holds, in host memory
 
-    from ..reshard.delta import apply_delta
+        def load_with_deltas(weights, *args, **kwargs):
+            return load_weights(apply_delta(base, weights), *args, **kwargs)
 
-    base = model.__dict__.setdefault("_megarl_delta_base", {})
-    for name, flat in named_tensors:
-        if not name.startswith(DELTA_BUCKET):
-            raise ValueError(f"{DELTA_LOADER} loads megarl's delta buckets only, got a tensor named {name[:80]!r}")
-        tensors = [(n, flat[start:end].view(getattr(torch, dtype)).view(shape))
-                   for n, dtype, shape, start, end in json.loads(name[len(DELTA_BUCKET):])]
-        model.load_weights(apply_delta(base, tensors))
+        load_with_deltas.megarl_delta = True
+        model.load_weights = load_with_deltas
+    if named_tensors:
+        model.load_weights(list(named_tensors))
 
 
 def cpu_server_env(env: dict, seeded_sampling: bool) -> dict:

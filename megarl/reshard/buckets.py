@@ -23,7 +23,6 @@ ALIGN = 16
 class FlatBucket:
     flat: torch.Tensor  # uint8, the bucket's bytes (a view of the reusable buffer, or of one large tensor)
     metadata: list  # sglang FlattenedTensorMetadata per tensor (name, shape, dtype, byte range)
-    delta: bool = False  # the tensors are a delta sync's encoding (megarl.reshard.delta), for its engine loader
 
     @property
     def names(self) -> list[str]:

@@ -24,8 +24,12 @@ from typing import Iterable, Iterator
 
 import torch
 
-# name suffixes of the two parts of a sparse update; a plain name carries the whole tensor
-INDICES, VALUES = "#delta_indices", "#delta_values"
+# the name suffix of a sparse update: one uint8 tensor (so it never splits across buckets): the count of changed
+# elements (int64), their flat indices (int32; int64 for tensors of 2**31 elements or more), their values (the tensor's
+# engine dtype), zeros up to a multiple of 16 bytes (the packer aligns tensors to 16 bytes and SGLang's receiver of a
+# broadcast bucket packs them back to back: sizes in multiples of 16 keep the two layouts equal)
+DELTA = "#delta"
+_PAD = 16
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -38,11 +42,30 @@ def changed_elements(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
 
 def sparse_pays(changed: int, numel: int, element_size: int) -> bool:
     """(indices, values) is smaller than the whole tensor."""
-    return changed * (_index_dtype(numel).itemsize + element_size) < numel * element_size
+    return 8 + _PAD + changed * (_index_dtype(numel).itemsize + element_size) < numel * element_size
 
 
 def _index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2 ** 31 else torch.int64
+
+
+def sparse_payload(index: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
+    """The bytes of a sparse update of a tensor of `numel` elements (see DELTA)."""
+    parts = [torch.tensor([index.numel()], dtype=torch.int64).view(torch.uint8),
+             index.to(_index_dtype(numel)).view(torch.uint8), values.reshape(-1).view(torch.uint8)]
+    size = sum(p.numel() for p in parts)
+    return torch.cat(parts + [torch.zeros(-size % _PAD, dtype=torch.uint8)])
+
+
+def split_payload(payload: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 flat indices, values) of a sparse update of `base` (its dtype and size give the index and value
+    types)."""
+    payload = payload.reshape(-1).clone()  # its own storage: aligned for the typed views below
+    count = int(payload[:8].view(torch.int64))
+    index_type = _index_dtype(base.numel())
+    end = 8 + count * index_type.itemsize
+    index = payload[8:end].view(index_type).long()
+    return index, payload[end:end + count * base.element_size()].view(base.dtype)
 
 
 class DeltaEncoder:
@@ -61,8 +84,8 @@ class DeltaEncoder:
         return sum(t.numel() * t.element_size() for t in self.shadow.values())
 
     def encode(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, engine-dtype tensor) -> what to send: (name, tensor) whole, or (name#delta_indices, int indices) and
-        (name#delta_values, values), or nothing. The shadow is updated to the values sent."""
+        """(name, engine-dtype tensor) -> what to send: (name, tensor) whole, (name#delta, indices and values as bytes),
+        or nothing. The shadow is updated to the values sent."""
         for name, tensor in named_tensors:
             old = self.shadow.get(name)
             self.stats["tensors"] += 1
@@ -82,8 +105,7 @@ class DeltaEncoder:
                 values = tensor.reshape(-1)[index]
                 old.view(-1)[index] = values
                 self.stats["sparse"] += 1
-                yield name + INDICES, index.to(_index_dtype(tensor.numel()))
-                yield name + VALUES, values
+                yield name + DELTA, sparse_payload(index, values, tensor.numel())
             else:
                 old.copy_(tensor)
                 self.stats["dense"] += 1
@@ -98,25 +120,20 @@ class DeltaEncoder:
 
 def apply_delta(base: dict[str, torch.Tensor], named_tensors: Iterable[tuple[str, torch.Tensor]]
                 ) -> list[tuple[str, torch.Tensor]]:
-    """The engine side's arithmetic (megarl.compat.sglang.load_weight_delta): whole tensors replace their base (a copy
-    in host memory: on a GPU engine the base costs host memory, not GPU memory), (indices, values) pairs patch it in
-    place; returns the (name, whole tensor) pairs to load. Raises KeyError naming a tensor that has a delta but no base
-    (the engine lost what it was sent: a full sync is needed)."""
-    pending: dict[str, torch.Tensor] = {}
+    """The engine side's arithmetic (megarl.compat.sglang.load_weight_delta): a whole tensor replaces its base (a copy
+    in host memory: on a GPU engine the base costs host memory, not GPU memory), a name#delta patches it in place;
+    returns the (name, whole tensor) pairs to load. Raises KeyError naming a tensor that has a delta but no base (the
+    engine lost what it was sent: a full sync is needed)."""
     out = []
     for name, tensor in named_tensors:
-        if name.endswith(INDICES):
-            pending[name[:-len(INDICES)]] = tensor
-        elif name.endswith(VALUES):
-            name = name[:-len(VALUES)]
+        if name.endswith(DELTA):
+            name = name[:-len(DELTA)]
             if name not in base:
                 raise KeyError(f"a delta for {name}, which this engine was never sent whole (restarted?): the trainer "
                                "must send a full sync")
-            base[name].view(-1)[pending.pop(name).cpu().long()] = tensor.cpu()
-            out.append((name, base[name]))
+            index, values = split_payload(tensor.cpu(), base[name])
+            base[name].view(-1)[index] = values
         else:
             base[name] = tensor.detach().to("cpu", copy=True)
-            out.append((name, base[name]))
-    if pending:
-        raise KeyError(f"delta indices without values for {sorted(pending)}")
+        out.append((name, base[name]))
     return out

@@ -79,6 +79,8 @@ class WeightSync:
         window = rank == 0 and not self.adapter_only
         if window:
             self._open_window()
+            if self.delta is not None:
+                self.client.enable_delta_loads()
         dist.barrier()
         try:
             pushed_bytes, buckets = self.transport.send(self.source, version)

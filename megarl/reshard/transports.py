@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from .. import platform
 from ..algorithms.registry import registrar, resolve
-from ..compat.sglang import DELTA_BUCKET, DELTA_LOADER
 from ..parallel.env import free_port
 from ..rollout.client import EngineClient
 from ..rollout.server import EngineError
@@ -113,7 +112,6 @@ def send_buckets(transport: BucketPusher, source: WeightSource, version: str) ->
         if source.delta is not None:  # compared with what was sent, in the engine's dtype
             stream, dtype = source.delta.encode((n, t.to(source.dtype(n))) for n, t in stream), None
         for bucket in source.packer.pack(stream, dtype):  # only the owner's stream yields buckets
-            bucket.delta = source.delta is not None
             transport.push(bucket, version)
             pushed_bytes += bucket.nbytes
             buckets += 1
@@ -142,13 +140,10 @@ class TensorTransport:
         # One serialisation per engine TP rank: on CPU (torch's file_system sharing) each serialisation takes one
         # reference on the shared-memory file that exactly one deserialisation gives back; a single payload opened by
         # two ranks drops the file after the first ("unable to open shared memory object" on the second).
-        if bucket.delta:  # megarl's loader in the engine (megarl.compat.sglang.load_weight_delta)
-            content, load_format = [(delta_bucket_name(bucket), bucket.flat)], DELTA_LOADER
-        else:
-            content, load_format = {"flattened_tensor": bucket.flat, "metadata": bucket.metadata}, "flattened_bucket"
-        payloads = [MultiprocessingSerializer.serialize(content, output_str=True) for _ in range(self.engine_tp)]
+        payloads = [MultiprocessingSerializer.serialize({"flattened_tensor": bucket.flat, "metadata": bucket.metadata},
+                                                        output_str=True) for _ in range(self.engine_tp)]
         result = self.client.call("/update_weights_from_tensor", {
-            "serialized_named_tensors": payloads, "load_format": load_format,
+            "serialized_named_tensors": payloads, "load_format": "flattened_bucket",
             "weight_version": version, **_flush()})
         _check(result, "/update_weights_from_tensor", bucket)
 
@@ -205,8 +200,6 @@ class DistributedTransport:
         return send_buckets(self, source, version)
 
     def push(self, bucket: FlatBucket, version: str) -> None:
-        if bucket.delta:  # the config refuses it (reshard.mode=delta needs reshard.transport=tensor)
-            raise EngineError("the distributed transport does not send delta buckets; use reshard.transport=tensor")
         box = {}
         request = threading.Thread(target=self._call_into, args=(box, "/update_weights_from_distributed", {
             "names": bucket.names, "dtypes": [str(m.dtype).replace("torch.", "") for m in bucket.metadata],
@@ -252,14 +245,6 @@ class DiskTransport:
 
     def close(self) -> None:
         pass
-
-
-def delta_bucket_name(bucket: FlatBucket) -> str:
-    """The name the delta loader's one payload entry carries: its tensors' [name, dtype, shape, start, end]."""
-    import json
-
-    return DELTA_BUCKET + json.dumps([[m.name, str(m.dtype).removeprefix("torch."), list(m.shape), m.start_idx,
-                                       m.end_idx] for m in bucket.metadata])
 
 
 def _check(result, path: str, bucket: FlatBucket | None, error: Exception | None = None) -> None:

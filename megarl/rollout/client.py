@@ -171,6 +171,24 @@ class EngineClient:
         """The weight version the engine serves (set by the last weight update; SGLang's default at its start)."""
         return self.call("/model_info", method="GET").get("weight_version")
 
+    def enable_delta_loads(self) -> None:
+        """reshard.mode=delta, inside the weight-update window: make the engine's weight loads take megarl's delta
+        updates (megarl.compat.sglang.load_weight_delta, once per engine process; cheap when done). The engine must
+        have been started with `--custom-weight-loader` naming it: checked first, as SGLang's scheduler does not
+        survive an unknown load format."""
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        from ..compat.sglang import DELTA_LOADER
+
+        info = self.call("/server_info", method="GET")
+        if DELTA_LOADER not in (info.get("custom_weight_loader") or []):
+            raise EngineError(f"reshard.mode=delta: the engine at {self.url} was not started with "
+                              f"--custom-weight-loader {DELTA_LOADER}. Fix: add it to the engine's command line (megarl "
+                              "adds it to the engines it starts), or reshard.mode=full")
+        empty = MultiprocessingSerializer.serialize([], output_str=True)  # one payload per engine TP rank
+        self.call("/update_weights_from_tensor", {"serialized_named_tensors": [empty] * int(info.get("tp_size") or 1),
+                                                  "load_format": DELTA_LOADER, "flush_cache": False})
+
     def weight_checksums(self) -> dict[int, dict[str, str]]:
         """SGLang's per-tensor checksums from /weights_checker, per engine TP rank (each rank hashes its own shard of
         each tensor, under SGLang's own parameter names): {tp_rank: {name: checksum}}."""

@@ -484,7 +484,8 @@ class ReshardConfig:
     lora_sync: Optional[str] = None
     # full: every sync pushes every tensor. delta: only the values that changed in the engine's dtype since the last
     # sync (megarl.reshard.delta; pays for a bf16/FP8 engine at RL learning rates, not for an fp32 one, where every
-    # value changes), over reshard.transport=tensor; the engines start with megarl's custom weight loader. A full
+    # value changes), over the tensor or distributed transport; the engines start with megarl's custom weight loader
+    # (--custom-weight-loader megarl.compat.sglang.load_weight_delta: add it to engines given by urls). A full
     # sync is still sent at a process's first sync, when the engine does not hold the last pushed version (a
     # restart), after a failed verification, and every `full_every` syncs (0: never on a schedule).
     mode: str = "full"
@@ -496,9 +497,10 @@ class ReshardConfig:
         if ":" not in self.transport:  # "package.module:Class": a user's transport, imported when the sync starts
             _choice("reshard.transport", self.transport, ("tensor", "distributed", "disk"))
         _choice("reshard.mode", self.mode, ("full", "delta"))
-        if self.mode == "delta" and self.transport != "tensor":
-            raise ConfigError(f"reshard.mode=delta sends its deltas over reshard.transport=tensor only, got "
-                              f"reshard.transport={self.transport}. Fix: reshard.transport=tensor, or reshard.mode=full")
+        if self.mode == "delta" and self.transport == "disk":
+            raise ConfigError("reshard.mode=delta sends the changed values in buckets, but reshard.transport=disk makes "
+                              "the engine reload a whole folder. Fix: reshard.transport=tensor or distributed, or "
+                              "reshard.mode=full")
         _at_least("reshard", self, ("bucket_mb",))
         _at_least("reshard", self, ("full_every",), low=0)
 

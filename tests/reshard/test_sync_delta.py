@@ -1,5 +1,6 @@
 """Delta weight sync (reshard.mode=delta): the encoding against the trainer's shadow and the engine-side patching
-(pure), and against a real bf16 SGLang CPU engine over several steps, at several trainer layouts: after every delta
+(pure), and against a real bf16 SGLang CPU engine (tiny Qwen3-MoE) over several steps, at several trainer layouts
+and both bucketed transports: after every delta
 sync the engine's tensors are bit-identical to a full sync's (SGLang's checksums of every tensor on every engine TP
 rank equal the trainer's engine-dtype tensors), a sync after another writer replaced the engine's weights (what a
 restarted engine looks like) or in a new process (a resume) is full, and a corrupted delta is caught by the
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import ranks
-from megarl.reshard.delta import INDICES, VALUES, DeltaEncoder, apply_delta, changed_elements
+from megarl.reshard.delta import DELTA, DeltaEncoder, apply_delta, changed_elements, sparse_payload
 from megarl.testing import run_ranks, tiny_model_dir
 from megarl.testing.fixtures import early_engine
 
@@ -35,7 +36,7 @@ def test_encoded_steps_rebuild_the_tensors_bit_for_bit():
         elif scale == 0.0:
             assert names == [] and loaded == {} and stats["unchanged"] == 3
         elif scale == 1e-4:  # a few bf16 values move: indices + values
-            assert "a" + INDICES in names and "a" + VALUES in names and 0 < stats["changed"] < 0.2 * stats["elements"]
+            assert "a" + DELTA in names and 0 < stats["changed"] < 0.2 * stats["elements"]
         elif scale == 1e-2:  # most move: whole tensors are smaller
             assert "a" in names and "b" in names and stats["sparse"] == 0
     encoder.reset()
@@ -51,7 +52,7 @@ def test_bits_not_values_decide_what_changed():
 @pytest.mark.unit
 def test_a_delta_without_a_base_is_refused():
     with pytest.raises(KeyError, match="never sent whole"):
-        apply_delta({}, [("w" + INDICES, torch.tensor([0])), ("w" + VALUES, torch.tensor([1.0]))])
+        apply_delta({}, [("w" + DELTA, sparse_payload(torch.tensor([0]), torch.tensor([1.0]), 4))])
 
 
 @pytest.mark.unit
@@ -61,9 +62,8 @@ def test_delta_mode_config_rules(tmp_path):
     from megarl.trainer.config import fleet_spec
     from megarl.rollout.server import engine_server_config, server_command
 
-    with pytest.raises(ConfigError, match="reshard.mode=delta sends its deltas over reshard.transport=tensor only"):
-        load_train_config(None, [f"run_dir={tmp_path}", "model.path=x", "reshard.mode=delta",
-                                 "reshard.transport=distributed"])
+    with pytest.raises(ConfigError, match="reshard.transport=disk makes the engine reload a whole folder"):
+        load_train_config(None, [f"run_dir={tmp_path}", "model.path=x", "reshard.mode=delta", "reshard.transport=disk"])
     with pytest.raises(ConfigError, match="reshard.mode"):
         load_train_config(None, [f"run_dir={tmp_path}", "model.path=x", "reshard.mode=sparse"])
     cfg = load_train_config(None, [f"run_dir={tmp_path}", "model.path=x", "reshard.mode=delta"])
@@ -75,33 +75,37 @@ def test_delta_mode_config_rules(tmp_path):
 def _bf16_server(_, log_dir):
     from megarl.rollout import ServerConfig
 
-    return ServerConfig(model_path=tiny_model_dir("qwen2"), log_dir=log_dir, dtype="bfloat16", delta_sync=True)
+    return ServerConfig(model_path=tiny_model_dir("qwen3_moe"), log_dir=log_dir, dtype="bfloat16", delta_sync=True)
 
 
-engine = early_engine(server=_bf16_server)  # a bf16 engine with megarl's delta loader
+# a bf16 engine with megarl's delta loader, of the tiny Qwen3-MoE: attention and dense layers for the TP/PP layouts,
+# routed experts (and the fp32 router) for EP
+engine = early_engine(server=_bf16_server)
 
 
-def delta_run(path, url, layout, steps, corrupt_at):
+def delta_run(path, url, layout, steps, corrupt_at, transport="tensor"):
     """RL-like steps (every weight moves a little) with a delta sync after each, verified every time; then another
     writer replaces the engine's weights, and a new WeightSync (a resumed process) syncs."""
     import torch.distributed as dist
 
-    from megarl.reshard import SyncConfig, TensorTransport, WeightSync
-    from megarl.reshard.delta import VALUES
+    from megarl.reshard import SyncConfig, WeightSync, resolve_transport
+    from megarl.reshard.delta import DELTA
     from megarl.rollout import EngineClient
 
     _, bridge, chunks = ranks.build(path, **layout)
     client = EngineClient(url)
-    transport = TensorTransport(client)
+    kind, transport = transport, resolve_transport(transport)(client)
     push = transport.push
     corrupted = []
 
-    def corrupting_push(bucket, version):  # flips one sent value of the sync `corrupt_at`
-        if sync.count == corrupt_at and bucket.delta and not corrupted:
-            values = [m for m in bucket.metadata if m.name.endswith(VALUES)]
-            if values:
-                bucket.tensor(values[0].name).view(-1)[0] += 1.0
-                corrupted.append(values[0].name)
+    def corrupting_push(bucket, version):  # flips an exponent bit of the first value of one delta at `corrupt_at`
+        if sync.count == corrupt_at and not corrupted:
+            deltas = [m for m in bucket.metadata if m.name.endswith(DELTA)]
+            if deltas:
+                payload = bucket.tensor(deltas[0].name).view(-1)  # count (int64), int32 indices, bf16 values
+                high_byte = 8 + 4 * int(payload[:8].clone().view(torch.int64)) + 1
+                payload[high_byte:high_byte + 1].bitwise_xor_(torch.tensor([64], dtype=torch.uint8))
+                corrupted.append(deltas[0].name)
         push(bucket, version)
 
     transport.push = corrupting_push
@@ -120,20 +124,32 @@ def delta_run(path, url, layout, steps, corrupt_at):
         client.call("/update_weights_from_disk", {"model_path": path, "weight_version": "default"})
     dist.barrier()
     stats.append(sync.sync("after-restart", verify=True))
-    resumed = WeightSync(bridge, chunks, transport, client if dist.get_rank() == 0 else None, config)
+    sync.close()
+    resumed = WeightSync(bridge, chunks, resolve_transport(kind)(client), client if dist.get_rank() == 0 else None,
+                         config)
     stats.append(resumed.sync("resumed", verify=True))
+    resumed.close()
     return {"stats": stats, "corrupted": corrupted}
 
 
-LAYOUTS = {"tp1": (1, {}), "tp2": (2, {"tp": 2}), "pp2": (2, {"pp": 2})}
+# layout -> (world, parallel sizes, transport)
+# ep2: each rank owns half the experts, the engine all of them: the experts' deltas land in SGLang's fused expert
+# tensors, checksummed expert by expert
+LAYOUTS = {"tp1": (1, {}, "tensor"), "tp2": (2, {"tp": 2}, "tensor"), "pp2": (2, {"pp": 2}, "tensor"),
+           "ep2": (2, {"ep": 2}, "tensor"), "tp2-distributed": (2, {"tp": 2}, "distributed")}
 
 
 @pytest.mark.engine
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_delta_syncs_leave_the_engine_bit_identical_to_full_ones(engine, layout):
-    world, parallel = LAYOUTS[layout]
-    corrupt_at = 2  # the third sync (a delta) has one value flipped on its way
-    results = run_ranks(world, delta_run, tiny_model_dir("qwen2"), engine.url, parallel, 4, corrupt_at, timeout=600)
+    world, parallel, transport = LAYOUTS[layout]
+    check_delta_run(run_ranks(world, delta_run, tiny_model_dir("qwen3_moe"), engine.url, parallel, 4, 2, transport,
+                              timeout=600))
+
+
+def check_delta_run(results: list) -> None:
+    """delta_run with the third sync (a delta) corrupted on its way: full, delta, (caught: full), delta, then the
+    syncs after another writer and in a new process, full."""
     stats = results[0]["stats"]
     assert [s["full_sync"] for s in stats] == [1.0, 0.0, 1.0, 0.0, 1.0, 1.0], [s["full_sync"] for s in stats]
     for s in stats:  # every sync verified: each engine tensor's checksum equals the trainer's engine-dtype tensor

@@ -1,0 +1,129 @@
+"""Delta weight sync against full sync over a real RL run (issue 31).
+
+    .venv/bin/python benchmarks/delta_sync.py              # SmolLM2-135M-Instruct, both modes (~10 min on 2 cores)
+    .venv/bin/python benchmarks/delta_sync.py --table      # runs nothing: the table from the JSON
+
+Per mode (reshard.mode full | delta), one `megarl train configs/smollm2_arith.yaml` run (GRPO on 2-digit addition, the
+preset's learning rate 1e-6) with a bf16 engine (rollout.engine.dtype=bfloat16: an engine dtype where deltas can pay;
+the CPU default is fp32, where nearly every value changes), the colocated tensor transport, and every sync verified
+(reshard.verify_every=1: SGLang's checksum of every engine tensor against the trainer's, and the probe log-probs). Both
+runs use the same seed. Per sync, from the run's metrics: bytes pushed, the sync's time (without its verification),
+the fraction of engine-dtype values that changed since the previous sync, and whether it was full. The first sync of a
+run (the initial weights) is full in both modes; the ratios compare the later ones: the mean delta sync against the
+mean full sync of the other run.
+
+Targets (issue 31): bytes <= 0.25x of full and sync time <= 0.5x over the run at the default learning rate, with the
+verification passing on every sync.
+
+benchmarks/results/delta_sync.json: {"machine", "runs": [{"model", "mode", "steps", "syncs": [{"step", "full_sync",
+"pushed_bytes", "sync_s", "changed_frac", "verified_tensors"}], "wall_s"}], "summary": [{"model", ...ratios}]}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from machine import machine  # noqa: E402
+
+OUT = os.path.join(HERE, "results", "delta_sync.json")
+WORK = os.path.join(ROOT, "runs", "bench-delta")
+SMOLLM2 = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
+CONFIG = os.path.join(ROOT, "configs", "smollm2_arith.yaml")
+STEPS = 6
+SETTINGS = ["rollout.engine.dtype=bfloat16", "reshard.verify_every=1", "reshard.transport=tensor", "rl.eval_samples=1",
+            "logging.wandb=disabled"]
+
+
+def run(mode: str, steps: int, work: str) -> dict:
+    import algorithms
+
+    run_dir = os.path.join(work, mode)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    overrides = [f"run_dir={run_dir}", f"rl.steps={steps}", f"reshard.mode={mode}", *SETTINGS]
+    wall = algorithms._megarl("train", overrides, os.path.join(work, f"{mode}.log"), config=CONFIG)
+    syncs = []
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            if "reshard/sync_s" not in row:
+                continue
+            syncs.append({"step": row["step"], "full_sync": row.get("reshard/full_sync", 1.0),
+                          "pushed_bytes": row["reshard/pushed_bytes"], "sync_s": round(row["reshard/sync_s"], 4),
+                          "changed_frac": row.get("reshard/changed_frac"),
+                          "verified_tensors": row.get("reshard/verified_tensors"),
+                          "probe_max_abs_diff": row.get("reshard/probe_max_abs_diff")})
+    return {"model": "SmolLM2-135M-Instruct", "mode": mode, "steps": steps, "syncs": syncs, "wall_s": round(wall, 1),
+            "settings": SETTINGS}
+
+
+def summary(runs: list[dict]) -> list[dict]:
+    """Per model: mean bytes and time of the delta run's delta syncs over the full run's syncs after the first."""
+    out = []
+    for model in sorted({r["model"] for r in runs}):
+        by_mode = {r["mode"]: r for r in runs if r["model"] == model}
+        if set(by_mode) != {"full", "delta"}:
+            continue
+        full = by_mode["full"]["syncs"][1:]
+        delta = [s for s in by_mode["delta"]["syncs"] if not s["full_sync"]]
+        if not full or not delta:
+            continue
+
+        def mean(rows, key):
+            return sum(r[key] for r in rows) / len(rows)
+
+        every = by_mode["full"]["syncs"] + by_mode["delta"]["syncs"]
+        out.append({"model": model, "delta_syncs": len(delta), "full_syncs": len(full),
+                    "bytes_vs_full": round(mean(delta, "pushed_bytes") / mean(full, "pushed_bytes"), 4),
+                    "time_vs_full": round(mean(delta, "sync_s") / mean(full, "sync_s"), 4),
+                    "changed_frac_mean": round(mean(delta, "changed_frac"), 5),
+                    "full_sync_s": round(mean(full, "sync_s"), 4), "delta_sync_s": round(mean(delta, "sync_s"), 4),
+                    "all_verified": all((s["verified_tensors"] or 0) > 0 for s in every)})
+    return out
+
+
+def table(results: dict) -> str:
+    lines = ["| model | delta syncs | changed values | bytes vs full | sync time vs full (full, delta) | verified |",
+             "|---|---|---|---|---|---|"]
+    for s in results.get("summary", []):
+        lines.append(f"| {s['model']} | {s['delta_syncs']} | {100 * s['changed_frac_mean']:.2f}% | "
+                     f"{s['bytes_vs_full']:.3f}x | {s['time_vs_full']:.2f}x ({s['full_sync_s']:.3f} s, "
+                     f"{s['delta_sync_s']:.3f} s) | {'every sync' if s['all_verified'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from real_model import save
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--work", default=WORK)
+    p.add_argument("--out", default=OUT)
+    p.add_argument("--table", action="store_true", help="print the table from the JSON; run nothing")
+    args = p.parse_args(argv)
+    if not args.table:
+        if not os.path.isfile(os.path.join(SMOLLM2, "config.json")):
+            sys.exit(f"delta_sync.py: error: {SMOLLM2} is missing. Fix: bash launchers/smollm2.sh rl.steps=0 "
+                     "(converts it)")
+        runs = [run(mode, args.steps, args.work) for mode in ("full", "delta")]
+
+        def update(r):
+            r["runs"] = [x for x in r.get("runs", []) if x["model"] not in {y["model"] for y in runs}] + runs
+            r["summary"] = summary(r["runs"])
+            r["machine"] = machine()
+
+        save(args.out, update)
+    with open(args.out) as f:
+        print(table(json.load(f)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
