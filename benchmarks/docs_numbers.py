@@ -389,12 +389,23 @@ def _gen_humaneval(d):
         f"\nMachine: {_machine(d)}; {d['date']}."])
 
 
+def _gen_delta_sync(d):
+    lines = ["| model | transport | delta syncs | values changed per sync | bytes vs full | sync time vs full (full, delta) "
+             "| verified |", "|---|---|---|---|---|---|---|"]
+    for s in d.get("summary", []):
+        lines.append(f"| {s['model']} | `{s['transport']}` | {s['delta_syncs']} | {100 * s['changed_frac_mean']:.2f}% | "
+                     f"{s['bytes_vs_full']:.3f}x | {s['time_vs_full']:.2f}x ({s['full_sync_s']:.3f} s, "
+                     f"{s['delta_sync_s']:.3f} s) | {'every sync' if s['all_verified'] else 'NOT every sync'} |")
+    return "\n".join(lines + [f"\nMachine: {_machine(d)}."])
+
+
 GENERATORS = {"quickstart": _gen_quickstart, "real-model-probe": _gen_real_model_probe,
               "real-model-runs": _gen_real_model_runs, "genrm": _gen_genrm, "genrm-opd": _gen_genrm_opd,
               "async-rl": _gen_async_rl, "foundation": _gen_foundation, "logprob-entropy": _gen_logprob,
               "orchestration": _gen_orchestration, "orchestration-rank0": _gen_orchestration_rank0,
               "reshard": _gen_reshard, "packing": _gen_packing, "sandbox": _gen_sandbox,
-              "coding-agent": _gen_coding_agent, "smollm2-humaneval": _gen_humaneval}
+              "coding-agent": _gen_coding_agent, "smollm2-humaneval": _gen_humaneval,
+              "delta-sync": _gen_delta_sync}
 
 
 def render(name: str, file: str) -> str:

@@ -79,10 +79,10 @@ class WeightSync:
         window = rank == 0 and not self.adapter_only
         if window:
             self._open_window()
-            if self.delta is not None:
-                self.client.enable_delta_loads()
-        dist.barrier()
         try:
+            if self.delta is not None and not self.adapter_only:  # rank 0's refusal reaches every rank
+                on_rank0(lambda: self.client.enable_delta_loads())
+            dist.barrier()
             pushed_bytes, buckets = self.transport.send(self.source, version)
         except BaseException:
             if self.delta is not None:  # what the engine took of this push is unknown: this rank's next one is whole

@@ -161,3 +161,15 @@ def check_delta_run(results: list) -> None:
     assert any(r["corrupted"] for r in results)  # the corruption happened, was caught, and a full sync repaired it
     assert stats[2]["pushed_bytes"] >= 0.9 * full_bytes
     assert stats[0]["shadow_bytes"] == pytest.approx(full_bytes, rel=0.05)  # the shadow: the model in bf16
+
+
+@pytest.mark.engine
+def test_an_engine_without_the_delta_loader_is_one_line(tiny_qwen2_engine):
+    """An engine not started with megarl's custom weight loader (e.g. one given by rollout.engine.urls) is refused
+    before anything is sent to it: SGLang's scheduler would die on the unknown load format."""
+    from megarl.rollout import EngineClient, EngineError
+
+    with pytest.raises(EngineError, match="was not started with --custom-weight-loader "
+                                          "megarl.compat.sglang.load_weight_delta. Fix: "):
+        EngineClient(tiny_qwen2_engine.url).enable_delta_loads()
+    assert EngineClient(tiny_qwen2_engine.url).health()
