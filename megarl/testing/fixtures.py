@@ -32,7 +32,7 @@ class _EarlyEngines:
     of one after another. AHEAD bounds the memory of engines not yet used (~1.4 GB each, PSS of a tiny MoE engine; an
     idle one takes no CPU: --sleep-on-idle)."""
 
-    AHEAD = 6
+    AHEAD = 4
 
     def __init__(self):
         self.specs: dict = {}  # fixture function -> (name, param -> (family, model overrides, ServerConfig kwargs))

@@ -151,7 +151,7 @@ def test_real_slurm_cluster(cluster):
 def test_preemption_checkpoints_requeues_and_resumes(cluster, tmp_path):
     """A job that is signalled before its time limit checkpoints, requeues itself, resumes and completes (one job
     covers the plain completion too: both attempts' node logs, the final checkpoint, the batch script's report)."""
-    name, steps = "megarl-b", 5
+    name, steps = "megarl-b", 8
     config, run_dir = _config(tmp_path, "preempt", steps=steps)
     job = _submit(cluster, tmp_path, name, [config])
     deadline = Deadline(STALL_S, Progress(tmp_path), CEILING_S)
