@@ -10,9 +10,9 @@ the CPU default is fp32, where nearly every value changes), per transport (tenso
 trainer's shared-memory buckets; distributed: a gloo broadcast to the engine, here over the loopback), every sync verified
 (reshard.verify_every=1: SGLang's checksum of every engine tensor against the trainer's, and the probe log-probs). Both
 runs use the same seed. Per sync, from the run's metrics: bytes pushed, the sync's time (without its verification),
-the fraction of engine-dtype values that changed since the previous sync, and whether it was full. The first sync of a
-run (the initial weights) is full in both modes; the ratios compare the later ones: the mean delta sync against the
-mean full sync of the other run.
+the fraction of engine-dtype values that changed since the previous sync, and whether it was full: the syncs after
+each step (the initial push, full in both modes, is not in the metrics). The ratios compare the mean delta sync of the
+delta run against the mean sync of the full run.
 
 Targets (issue 31): bytes <= 0.25x of full and sync time <= 0.5x over the run at the default learning rate, with the
 verification passing on every sync.
@@ -72,14 +72,13 @@ def run(mode: str, transport: str, steps: int, work: str) -> dict:
 
 
 def summary(runs: list[dict]) -> list[dict]:
-    """Per model and transport: mean bytes and time of the delta run's delta syncs over the full run's syncs after
-    the first."""
+    """Per model and transport: mean bytes and time of the delta run's delta syncs over the full run's syncs."""
     out = []
     for model, transport in sorted({(r["model"], r["transport"]) for r in runs}):
         by_mode = {r["mode"]: r for r in runs if (r["model"], r["transport"]) == (model, transport)}
         if set(by_mode) != {"full", "delta"}:
             continue
-        full = by_mode["full"]["syncs"][1:]
+        full = by_mode["full"]["syncs"]
         delta = [s for s in by_mode["delta"]["syncs"] if not s["full_sync"]]
         if not full or not delta:
             continue

@@ -9,8 +9,8 @@ from .transports import (TRANSPORTS, BucketPusher, DiskTransport, DistributedTra
                          send_buckets)
 from .verify import WeightMismatchError, tensor_checksum, verify_checksums, verify_probes
 
-__all__ = ["AdapterTransport", "DEFAULT_BUCKET_BYTES", "DeltaEncoder", "TRANSPORTS", "BucketPacker", "BucketPusher", "DiskTransport",
-           "DistributedTransport", "FlatBucket", "SyncConfig", "TensorTransport", "TransportOptions",
+__all__ = ["AdapterTransport", "DEFAULT_BUCKET_BYTES", "DeltaEncoder", "TRANSPORTS", "BucketPacker", "BucketPusher",
+           "DiskTransport", "DistributedTransport", "FlatBucket", "SyncConfig", "TensorTransport", "TransportOptions",
            "WeightMismatchError", "WeightSource", "WeightSync", "WeightTransport", "engine_syncs", "register_transport",
            "resolve_transport", "send_buckets", "tensor_checksum", "verify_checksums", "verify_probes"]
 

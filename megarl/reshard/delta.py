@@ -73,7 +73,7 @@ class DeltaEncoder:
 
     def __init__(self):
         self.shadow: dict[str, torch.Tensor] = {}
-        self.stats = {"tensors": 0, "changed": 0, "elements": 0, "sparse": 0, "dense": 0, "unchanged": 0}
+        self.stats = {"changed": 0, "elements": 0, "sparse": 0, "dense": 0, "unchanged": 0}
 
     def reset(self) -> None:
         """Forget what was sent: the next encode sends every tensor whole."""
@@ -88,7 +88,6 @@ class DeltaEncoder:
         or nothing. The shadow is updated to the values sent."""
         for name, tensor in named_tensors:
             old = self.shadow.get(name)
-            self.stats["tensors"] += 1
             self.stats["elements"] += tensor.numel()
             if old is None or old.shape != tensor.shape or old.dtype != tensor.dtype:
                 self.shadow[name] = tensor.detach().clone()
@@ -112,8 +111,7 @@ class DeltaEncoder:
                 yield name, tensor
 
     def take_stats(self) -> dict:
-        """The counts since the last call: tensors seen, elements and changed elements, tensors sent sparse / whole /
-        not at all."""
+        """The counts since the last call: elements and changed elements, tensors sent sparse / whole / not at all."""
         stats, self.stats = self.stats, dict.fromkeys(self.stats, 0)
         return stats
 

@@ -80,8 +80,8 @@ class WeightSync:
         if window:
             self._open_window()
         try:
-            if self.delta is not None and not self.adapter_only:  # rank 0's refusal reaches every rank
-                on_rank0(lambda: self.client.enable_delta_loads())
+            if whole and not self.adapter_only:  # a restarted engine is only sent whole syncs (full_sync_needed);
+                on_rank0(lambda: self.client.enable_delta_loads())  # rank 0's refusal reaches every rank
             dist.barrier()
             pushed_bytes, buckets = self.transport.send(self.source, version)
         except BaseException:

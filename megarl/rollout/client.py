@@ -172,8 +172,8 @@ class EngineClient:
         return self.call("/model_info", method="GET").get("weight_version")
 
     def enable_delta_loads(self) -> None:
-        """reshard.mode=delta, inside the weight-update window: make the engine's weight loads take megarl's delta
-        updates (megarl.compat.sglang.load_weight_delta, once per engine process; cheap when done). The engine must
+        """reshard.mode=delta, inside the weight-update window of a whole sync: make the engine's weight loads take
+        megarl's delta updates (megarl.compat.sglang.load_weight_delta; once per engine process, a no-op after). The engine must
         have been started with `--custom-weight-loader` naming it: checked first, as SGLang's scheduler does not
         survive an unknown load format."""
         from sglang.srt.utils import MultiprocessingSerializer

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import requests
 
 from .. import platform
-from ..compat.sglang import CPU_STANDINS, DELTA_LOADER, cpu_server_env  # noqa: F401 - CPU_STANDINS: where the
-# server finds them
+from ..compat.sglang import CPU_STANDINS  # noqa: F401 - where the server finds them
+from ..compat.sglang import DELTA_LOADER, cpu_server_env
 from ..errors import UserError
 from ..lifetime import die_with_parent
 from ..parallel.env import free_port
