@@ -22,3 +22,17 @@ def hangs_on_hang(response: str, answer, **_) -> float:
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM, signal.SIGALRM])
         time.sleep(10_000)
     return 1.0
+
+
+def kills_its_worker_once(response: str, answer, marker: str, **_) -> float:
+    """The first call SIGKILLs the reward pool worker it runs under (as an OOM kill would), later calls score: 1.0
+    for "ok". Runs in the per-response child the worker forked, so the worker is its parent."""
+    import os
+    import signal
+    import time
+
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(60)
+    return 1.0 if response == "ok" else 0.0

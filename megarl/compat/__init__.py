@@ -7,6 +7,8 @@
                              attributes megarl sets on its bridges and on HF configs for it
     megarl.compat.sglang     SGLang 0.5.23: the import-time patches and stand-in packages put on the CPU SGLang
                              server's PYTHONPATH (sglang_cpu/), and the SGLang internals megarl's trainer imports
+    megarl.compat.torch      torch 2.13.0: a worker torchrun restarted gets its own keys on the agent's store (the
+                             static rendezvous keeps the previous attempt's gloo addresses there)
 
 Every private member (`_name`) of those libraries that megarl uses, and every monkeypatch of them, lives in one of these
 modules, with a docstring naming the library version it was written for and the upstream code it relies on or works

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .. import platform
 from ..compat import megatron as megatron_compat
+from ..compat.torch import restarted_workers_store
 from .config import ModelShape, ParallelConfig, ParallelConfigError
 from .env import DistributedEnv, LaunchEnvError, first_slurm_host, free_port
 from .groups import Groups, build_groups
@@ -42,8 +43,11 @@ def init_distributed(env: DistributedEnv | None = None, timeout_minutes: int = 3
     env.export()
     if platform.on_gpu():
         torch.cuda.set_device(env.local_rank)
+    timeout = timedelta(minutes=timeout_minutes)
+    # a worker torchrun restarted: its own keys on the agent's store (megarl.compat.torch)
+    store = restarted_workers_store(env.master_addr, env.master_port, env.world_size, timeout)
     dist.init_process_group(platform.distributed_backend(), rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(minutes=timeout_minutes))
+                            timeout=timeout, store=store)
 
 
 def initialize(parallel: ParallelConfig, model: ModelShape | None = None, env: DistributedEnv | None = None,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .. import platform
 from ..errors import on_rank0
 from ..models.lora import LoraConfig, peft_tensors
-from ..rollout.client import EngineClient
+from ..rollout.client import EngineClient, EngineUnavailable
 from ..rollout.server import EngineError
 from .buckets import ALIGN, BucketPacker
 from .verify import EngineShapes, engine_shapes, shard_rule
@@ -130,6 +130,16 @@ class AdapterTransport:
         if isinstance(result, dict) and result.get("success") is False:
             raise EngineError(f"SGLang /load_lora_adapter_from_tensors failed for adapter {name!r} "
                               f"({len(tensors)} tensors): {result.get('error_message') or result.get('message')}")
+
+    def holds(self, version: str | None) -> bool:
+        """Rank 0: whether the engine serves adapter `version` (False when it restarted or is unreachable: a restarted
+        engine holds no adapter)."""
+        if self.client.stale:
+            return False
+        try:
+            return version in self.loaded()
+        except EngineUnavailable:
+            return False
 
     def loaded(self) -> list[str]:
         """The adapters the engine holds (SGLang lists them in /v1/models, after the base model)."""

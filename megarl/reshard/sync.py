@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .. import platform
 from ..compat import sglang as sglang_compat
-from ..rollout.client import EngineClient
+from ..rollout.client import EngineClient, engine_unavailable
 from ..rollout.server import EngineError
 from ..errors import UserError, on_rank0
 from .buckets import DEFAULT_BUCKET_BYTES, BucketPacker
@@ -31,6 +31,7 @@ from .transports import WeightSource, WeightTransport
 from .verify import WeightMismatchError, engine_dtypes, probe_sequences, verify_checksums, verify_probes
 
 logger = logging.getLogger(__name__)
+RESTORE_ATTEMPTS = 3  # syncs of one version to an engine that keeps failing (each restart also counts in its budget)
 
 
 @dataclass
@@ -69,39 +70,67 @@ class WeightSync:
     def sync(self, version: str | None = None, verify: bool | None = None, full: bool = False) -> dict:
         """Push the trainer's current weights into the engine; verify when due (or as `verify` says). Returns
         timing/size stats. reshard.mode=delta sends what changed, unless the sync must be full (`full`, or
-        full_sync_needed); a delta sync whose verification fails is followed by a full one, verified."""
+        full_sync_needed); a delta sync whose verification fails is followed by a full one, verified.
+
+        An engine that does not hold the version this process pushed last (it restarted and serves its model folder,
+        or another writer pushed to it) is restored: sent every tensor and verified, unless `verify` is False (the
+        caller verifies once the engines generate again: partial rollouts). An engine that dies during the sync is
+        restarted (within its restart budget) and restored the same way."""
         version = version or f"megarl-{self.count + 1}"
+        reconnect = False
+        for attempt in range(RESTORE_ATTEMPTS):
+            try:
+                return self._sync(version, verify, full, reconnect)
+            except UserError as e:
+                if not engine_unavailable(e) or attempt == RESTORE_ATTEMPTS - 1:
+                    raise
+                reconnect = on_rank0(lambda: self.client.revive())  # a dead engine this job owns starts again
+                if dist.get_rank() == 0:
+                    logger.warning("the weight sync to %s failed (%s): %s", self.client.url, str(e).splitlines()[0],
+                                   "the engine was restarted; pushing every weight again" if reconnect else "again")
+                full = True
+        raise AssertionError("unreachable")
+
+    def _sync(self, version: str, verify: bool | None, full: bool, reconnect: bool = False) -> dict:
         rank = dist.get_rank()
         start = time.perf_counter()
-        whole = self.delta is not None and (full or self.full_sync_needed())
+        restore = self.count > 0 and not self.current()
+        if restore and rank == 0:
+            logger.warning("the engine at %s does not hold the weights this run pushed last (%s): it gets every "
+                           "weight, verified", self.client.url, self.pushed_version)
+        if restore or reconnect:  # possibly a new engine process: the transport's channel to it is made again
+            with contextlib.suppress(Exception):
+                self.transport.close()
+            self.transport.setup(self.owners)
+        whole = self.delta is not None and (full or restore or self.full_sync_needed())
         if whole:
             self.delta.reset()
-        window = rank == 0 and not self.adapter_only
-        if window:
-            self._open_window()
+        window = not self.adapter_only
         try:
-            if whole and not self.adapter_only:  # a restarted engine is only sent whole syncs (full_sync_needed);
-                on_rank0(lambda: self.client.enable_delta_loads())  # rank 0's refusal reaches every rank
-            dist.barrier()
+            if window:
+                on_rank0(self._open_window)  # rank 0's failure reaches every rank
+            if whole and not self.adapter_only:  # a restarted engine is only sent whole syncs (see restore above)
+                on_rank0(lambda: self.client.enable_delta_loads())
             pushed_bytes, buckets = self.transport.send(self.source, version)
+            if window:  # each update flushed the engine's prefix cache (transports._flush)
+                on_rank0(lambda: self.client.end_weight_update())
         except BaseException:
             if self.delta is not None:  # what the engine took of this push is unknown: this rank's next one is whole
                 self.delta.reset()
-            if window:  # close the window if the engine still can; the push's error is the one to report
+            if window and rank == 0:  # close the window if the engine still can; the push's error is the one to report
                 with contextlib.suppress(Exception):
                     self.client.end_weight_update()
             raise
-        dist.barrier()
-        if window:
-            self.client.end_weight_update()  # each update flushed the engine's prefix cache (transports._flush)
         self.count += 1
         self.pushed_version = version
+        if rank == 0:
+            self.client.pushed(version)  # a restarted engine generates again (the probes below first)
         stats = {"sync_s": time.perf_counter() - start, "pushed_bytes": _sum(pushed_bytes),
-                 "buckets": int(_sum(buckets)), "version": version}
+                 "buckets": int(_sum(buckets)), "version": version, "restored": float(restore)}
         if self.delta is not None:
             self.since_full = 0 if whole else self.since_full + 1
             stats.update(self._delta_stats(whole))
-        if self._due(self.count) if verify is None else verify:
+        if (self._due(self.count) or restore) if verify is None else verify:
             try:
                 stats.update(self.verify())
             except UserError as e:
@@ -111,18 +140,25 @@ class WeightSync:
                     raise
                 if rank == 0:
                     logger.warning("a delta weight sync failed its verification (%s): sending every tensor whole", e)
-                return self.sync(version, verify=True, full=True)
+                return self._sync(version, verify=True, full=True)
         self.last_stats = stats
         return stats
 
+    def current(self) -> bool:
+        """Whether the engine holds the weights this process pushed last (a collective; False before any push)."""
+        return self.count > 0 and bool(on_rank0(self._engine_holds_last))
+
+    def _engine_holds_last(self) -> bool:
+        """Rank 0: whether the engine serves the version this process pushed last (the transport asks for adapter
+        syncs: the adapter's name)."""
+        holds = getattr(self.transport, "holds", None)
+        return holds(self.pushed_version) if holds is not None else self.client.holds(self.pushed_version)
+
     def full_sync_needed(self) -> bool:
-        """Whether the next delta sync must send every tensor whole (a collective; the same answer on every rank):
-        nothing was sent yet by this process (a start or a resume), this is the full_every-th sync since the last full
-        one, or the engine does not hold the version this process pushed last (it restarted and serves its checkpoint,
-        or another writer pushed to it)."""
-        if self.count == 0 or (self.cfg.full_every and self.since_full + 1 >= self.cfg.full_every):
-            return True
-        return bool(on_rank0(lambda: self.client.weight_version() != self.pushed_version))
+        """Whether the next delta sync must send every tensor whole, besides an engine restored (see sync): nothing
+        was sent yet by this process (a start or a resume), or this is the full_every-th sync since the last full
+        one. The same answer on every rank."""
+        return self.count == 0 or bool(self.cfg.full_every and self.since_full + 1 >= self.cfg.full_every)
 
     def _delta_stats(self, whole: bool) -> dict:
         counts = self.delta.take_stats()

@@ -30,8 +30,9 @@ import torch.distributed as dist
 
 from .. import platform
 from ..algorithms.registry import registrar, resolve
+from ..errors import UserError, agree, on_rank0
 from ..parallel.env import free_port
-from ..rollout.client import EngineClient
+from ..rollout.client import EngineClient, EngineUnavailable
 from ..rollout.server import EngineError
 from .buckets import BucketPacker, FlatBucket
 from .delta import DeltaEncoder
@@ -111,11 +112,15 @@ def send_buckets(transport: BucketPusher, source: WeightSource, version: str) ->
         stream, dtype = source.bridge.export_hf_weights(source.chunks, owner=owner, copy=False), source.dtype
         if source.delta is not None:  # compared with what was sent, in the engine's dtype
             stream, dtype = source.delta.encode((n, t.to(source.dtype(n))) for n, t in stream), None
-        for bucket in source.packer.pack(stream, dtype):  # only the owner's stream yields buckets
-            transport.push(bucket, version)
-            pushed_bytes += bucket.nbytes
-            buckets += 1
-        dist.barrier()
+        error = None
+        try:
+            for bucket in source.packer.pack(stream, dtype):  # only the owner's stream yields buckets
+                transport.push(bucket, version)
+                pushed_bytes += bucket.nbytes
+                buckets += 1
+        except UserError as e:  # the engine's failure (e.g. it died) reaches every rank, not just this owner
+            error = e
+        agree(error)
     return pushed_bytes, buckets
 
 
@@ -206,7 +211,12 @@ class DistributedTransport:
             "shapes": [list(m.shape) for m in bucket.metadata], "group_name": self.group_name,
             "load_format": "flattened_bucket", "weight_version": version, **_flush()}))
         request.start()
-        dist.broadcast(bucket.flat, src=0, group=self.group)
+        try:
+            dist.broadcast(bucket.flat, src=0, group=self.group)
+        except RuntimeError as e:  # the engine's end of the group is gone (gloo; NCCL may instead wait for its timeout)
+            request.join()
+            raise EngineUnavailable(f"the broadcast of a weight bucket to {self.client.url} failed: "
+                                    f"{str(e).splitlines()[0]}") from None
         request.join()
         _check(box.get("result"), "/update_weights_from_distributed", bucket, box.get("error"))
 
@@ -236,11 +246,13 @@ class DiskTransport:
 
     def send(self, source: WeightSource, version: str) -> tuple[int, int]:
         source.bridge.save_hf(source.chunks, self.folder)
-        if dist.get_rank() == 0:
+
+        def load() -> None:
             result = self.client.call("/update_weights_from_disk", {"model_path": os.path.abspath(self.folder),
                                                                    "weight_version": version, **_flush()})
             _check(result, "/update_weights_from_disk", None)
-        dist.barrier()
+
+        on_rank0(load)  # the engine's failure reaches every rank
         return 0, 0  # nothing bucketed: the engine read the folder
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import threading
 from concurrent.futures import Future, ProcessPoolExecutor, TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 
@@ -73,13 +74,22 @@ def _score(name: str, kwargs: dict, items: list[tuple[str, str | None]], timeout
 
 
 class RewardPool:
+    """rounds: how many times a chunk whose worker died (killed from outside: the OOM killer, an operator) or stopped
+    answering is scored again on fresh workers before its responses score 0 with the reason counted. A worker's death
+    is the machine's fault, not the response's: the chunk is scored again rather than trained on with reward 0."""
+
     def __init__(self, name: str, workers: int = 2, timeout_s: float = 10.0, kwargs: dict | None = None,
-                 field: str = "reward.name"):
+                 field: str = "reward.name", rounds: int = 3):
         fn = resolve_reward(name, field)  # fail at start-up, not inside a worker
         check_reward_call(fn, dict(kwargs or {}), field)
         self.name, self.kwargs, self.timeout_s, self.workers = name, dict(kwargs or {}), timeout_s, workers
+        self.rounds = rounds
+        # The rollout's chunk threads submit and wait concurrently; one worker's death breaks the whole executor for
+        # all of them, so the executor is replaced once (by whichever thread sees it first) under this lock.
+        self._lock = threading.Lock()
         self.pool = self._new_pool()
         self.errors: list[str] = []
+        self.worker_failures = 0  # executors replaced because a worker died or stopped answering
         if getattr(fn, "requires_sandbox", False):  # code execution: prove isolation works here, in a worker
             self.pool.submit(check_sandbox).result()
 
@@ -89,27 +99,49 @@ class RewardPool:
         return ProcessPoolExecutor(max_workers=self.workers, mp_context=forkserver_context(),
                                    initializer=die_with_parent)
 
-    def _replace_workers(self) -> None:
-        """Kill every worker and start fresh ones. ProcessPoolExecutor has no public way to kill its workers, hence
-        its `_processes`; used only when a worker itself stopped answering (the per-response kill failed)."""
-        for process in list((getattr(self.pool, "_processes", None) or {}).values()):
-            process.kill()
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.pool = self._new_pool()
+    def _replace_workers(self, broken: ProcessPoolExecutor) -> None:
+        """Kill every worker of `broken` and start fresh ones, unless another thread did already. ProcessPoolExecutor
+        has no public way to kill its workers, hence its `_processes`."""
+        with self._lock:
+            if self.pool is not broken:
+                return
+            for process in list((getattr(broken, "_processes", None) or {}).values()):
+                process.kill()
+            broken.shutdown(wait=False, cancel_futures=True)
+            self.pool = self._new_pool()
+            self.worker_failures += 1
 
     def submit(self, items: list[tuple[str, str | None]]) -> Future:
-        return self.pool.submit(_score, self.name, self.kwargs, items, self.timeout_s)
+        for round_ in range(self.rounds + 1):
+            with self._lock:
+                pool = self.pool
+            try:
+                future = pool.submit(_score, self.name, self.kwargs, items, self.timeout_s)
+                break
+            except BrokenProcessPool:  # a worker died while the pool was idle: the executor refuses new work
+                logger.warning("reward %s: a worker died between chunks; workers replaced", self.name)
+                self._replace_workers(pool)
+                if round_ == self.rounds:
+                    raise
+        future.megarl_chunk = (pool, items)  # what result() scores again if this executor breaks
+        return future
 
     def result(self, future: Future, n: int) -> list[float]:
-        # each response has its own killable timeout in the worker; this wait is only the backstop behind it
-        try:
-            scored = future.result(timeout=(self.timeout_s + 5) * max(n, 1) + 30)
-        except (FutureTimeout, BrokenProcessPool) as e:
-            reason = (f"reward {self.name}: the worker stopped answering ({type(e).__name__}); workers replaced")
-            logger.warning(reason)
-            self._replace_workers()
-            self.errors += [reason] * n
-            return [0.0] * n
+        for round_ in range(self.rounds + 1):
+            pool, items = future.megarl_chunk
+            # each response has its own killable timeout in the worker; this wait is only the backstop behind it
+            try:
+                scored = future.result(timeout=(self.timeout_s + 5) * max(n, 1) + 30)
+                break
+            except (FutureTimeout, BrokenProcessPool) as e:
+                reason = f"reward {self.name}: a worker died or stopped answering ({type(e).__name__})"
+                self._replace_workers(pool)
+                if round_ == self.rounds:
+                    logger.warning("%s; %d responses score 0 after %d rounds", reason, n, self.rounds + 1)
+                    self.errors += [reason] * n
+                    return [0.0] * n
+                logger.warning("%s: its chunk of %d responses is scored again on fresh workers", reason, n)
+                future = self.submit(items)
         for _, error in scored:
             if error:
                 logger.warning("reward %s failed on a response: %s", self.name, error)
@@ -121,6 +153,11 @@ class RewardPool:
 
     def take_errors(self) -> int:
         n, self.errors = len(self.errors), []
+        return n
+
+    def take_worker_failures(self) -> int:
+        """Executors replaced (a worker died or stopped answering) since the last call."""
+        n, self.worker_failures = self.worker_failures, 0
         return n
 
     def close(self) -> None:

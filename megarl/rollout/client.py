@@ -1,12 +1,21 @@
 """HTTP client for one SGLang server: batched token-in/token-out generation with log-probs, weight-update calls.
 
 Pooled connections; transient failures (connection refused/reset, timeouts, HTTP 5xx) are retried with exponential
-back-off; HTTP 4xx is never retried (it is the request's fault, and the error quotes SGLang's answer). When the client
-owns the server process and finds it dead, it restarts it (at most `max_restarts` times) instead of hanging.
+back-off; HTTP 4xx is never retried (it is the request's fault, and the error quotes SGLang's answer).
+
+An engine that dies is a weight-versioned event. When the client owns the server process and finds it dead, it restarts
+it (at most `max_restarts` times within `restart_window_s`; past that the engine is retired: EngineRetired). A
+restarted engine serves its model folder's weights: if the trainer had pushed its own (`serves`, set by the weight
+sync), the call that found it dead raises EngineRestarted and every generation is refused until the trainer pushes its
+weights again (megarl.reshard.sync), so no token is sampled from the wrong weights; the router moves the requests to
+the live engines meanwhile (megarl.rollout.router). Engines that never got pushed weights (judges, teachers, `megarl
+eval`) are restarted and the call retried, as their weights are their folder's.
 """
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +29,28 @@ if TYPE_CHECKING:
     import numpy as np
 
 logger = logging.getLogger(__name__)
+
+
+class EngineUnavailable(EngineError):
+    """The engine cannot generate now: it is unreachable, restarting, or waiting for the trainer's weights (the router
+    moves its requests to the live engines)."""
+
+
+class EngineRestarted(EngineUnavailable):
+    """The engine died and was restarted: it serves its model folder's weights until the trainer pushes its own."""
+
+
+class EngineRetired(EngineUnavailable):
+    """The engine died more often than its restart budget allows (rollout.engine.max_restarts within
+    rollout.engine.restart_window_s): it is not restarted again."""
+
+
+UNAVAILABLE = {cls.__name__ for cls in (EngineUnavailable, EngineRestarted, EngineRetired)}
+
+
+def engine_unavailable(error: BaseException) -> bool:
+    """An EngineUnavailable here, or the one another rank raised (megarl.errors.RemoteUserError keeps its kind)."""
+    return isinstance(error, EngineUnavailable) or getattr(error, "kind", None) in UNAVAILABLE | {"EnginesDown"}
 
 
 @dataclass
@@ -47,13 +78,22 @@ class Completion:
 
 
 class EngineClient:
+    HEALTH_PROBE_S = 30.0  # how long a running engine has to answer /health after one of its requests timed out
     def __init__(self, url: str | None = None, server: SGLangServer | None = None, timeout_s: float = 600.0,
-                 retries: int = 4, backoff_s: float = 0.5, max_restarts: int = 2):
+                 retries: int = 4, backoff_s: float = 0.5, max_restarts: int = 3, restart_window_s: float = 3600.0):
         if url is None and server is None:
             raise ValueError("EngineClient needs a url or a server")
         self.server = server
         self.url = url or server.url
-        self.timeout_s, self.retries, self.backoff_s, self.max_restarts = timeout_s, retries, backoff_s, max_restarts
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.max_restarts, self.restart_window_s = max_restarts, restart_window_s
+        self.restart_times: collections.deque[float] = collections.deque()  # time.monotonic() of each restart
+        self.retired = False
+        # the weight version the trainer last pushed into this engine (megarl.reshard.sync); None: it serves its model
+        # folder. stale: it restarted since, and serves its folder until the next push.
+        self.serves: str | None = None
+        self.stale = False
+        self._restart_lock = threading.Lock()  # one restart at a time, whichever thread found the engine dead
         self.session = requests.Session()
         self.session.mount("http://", HTTPAdapter(pool_connections=4, pool_maxsize=32))
         # The LoRA adapter every generation names (SGLang's lora_path), set by the adapter-only weight sync
@@ -63,31 +103,105 @@ class EngineClient:
 
     # ------------------------------------------------------------------------------------------------ transport
     def call(self, path: str, payload: dict | None = None, method: str = "POST", timeout_s: float | None = None):
-        last_error = None
+        last_error, unreachable = None, False
+        incarnation = self._incarnation()
         for attempt in range(self.retries + 1):
             try:
                 response = self.session.request(method, self.url + path, json=payload,
                                                 timeout=timeout_s or self.timeout_s)
             except (requests.ConnectionError, requests.Timeout) as e:
-                last_error = f"{type(e).__name__}: {e}"
-                self._recover_or_raise(path, last_error)
+                last_error, unreachable = f"{type(e).__name__}: {e}", True
+                self._recover_or_raise(path, last_error, incarnation, timed_out=isinstance(e, requests.Timeout))
             else:
                 if response.status_code < 400:
                     return _body(response)
                 if response.status_code < 500:
                     raise EngineError(f"SGLang rejected {path} (HTTP {response.status_code}): {response.text[:2000]}")
-                last_error = f"HTTP {response.status_code}: {response.text[:500]}"
+                last_error, unreachable = f"HTTP {response.status_code}: {response.text[:500]}", False
             if attempt < self.retries:
                 time.sleep(self.backoff_s * 2 ** attempt)
-        raise EngineError(f"{path} failed after {self.retries + 1} attempts: {last_error}" + self._log_hint())
+        error = EngineUnavailable if unreachable else EngineError
+        raise error(f"{self.url}{path} failed after {self.retries + 1} attempts: {last_error}" + self._log_hint())
 
-    def _recover_or_raise(self, path: str, error: str) -> None:
+    def _incarnation(self) -> int:
+        return self.server.restarts if self.server is not None else 0
+
+    def _recover_or_raise(self, path: str, error: str, incarnation: int, timed_out: bool = False) -> None:
+        """A request failed to reach the engine. Not ours or still running: transient, retried. Dead, or hung (the
+        request timed out and the engine is stopped or does not answer /health): restarted within the budget (once,
+        whichever thread sees it first); a request to an engine that got the trainer's weights is then not retried
+        (EngineRestarted), nor one sent to the engine before another thread restarted it."""
+        if self.server is None:
+            return
+        with self._restart_lock:
+            if self.retired:
+                raise EngineRetired(self._retired_line(path))
+            if self._incarnation() == incarnation:
+                if self.server.alive() and not (timed_out and self._hung()):
+                    return  # transient: retry
+                now = time.monotonic()
+                while self.restart_times and now - self.restart_times[0] > self.restart_window_s:
+                    self.restart_times.popleft()
+                if len(self.restart_times) >= self.max_restarts:
+                    self.retired = True
+                    logger.error("%s%s", self._retired_line(path, error), self._log_hint())
+                    raise EngineRetired(self._retired_line(path, error))
+                logger.warning("the SGLang server at %s %s during %s (%s): restarting it%s", self.url,
+                               "stopped answering" if self.server.alive() else "died", path, error,
+                               " (it then waits for the trainer's weights)" if self.serves is not None else "")
+                self.restart_times.append(now)
+                try:
+                    self.server.restart()
+                except EngineError as e:  # it does not come back: retired (the run goes on with the others)
+                    self.retired = True
+                    raise EngineRetired(f"{self._retired_line(path, error)}; its restart failed: "
+                                        f"{str(e).splitlines()[0]}") from None
+                self.url = self.server.url
+                self.stale = self.serves is not None
+        if self.stale:
+            raise EngineRestarted(f"the SGLang server at {self.url} died during {path} and was restarted: it serves "
+                                  f"its model folder's weights until the trainer pushes {self.serves!r} again")
+
+    def _hung(self) -> bool:
+        """After a request to a running engine timed out: whether it will never answer (restart() kills it)."""
+        if self.server.stopped():
+            return True
+        try:
+            return self.session.get(self.url + "/health", timeout=self.HEALTH_PROBE_S).status_code != 200
+        except requests.RequestException:
+            return True
+
+    def _retired_line(self, path: str, error: str = "") -> str:
+        return (f"the SGLang server at {self.url} died during {path}{f' ({error})' if error else ''} after "
+                f"{len(self.restart_times)} restarts within {self.restart_window_s:.0f} s: retired. Fix: read its log "
+                f"({self.server.log_path if self.server else 'the engine host'}), or raise rollout.engine.max_restarts "
+                "/ rollout.engine.restart_window_s")
+
+    def revive(self) -> bool:
+        """If the engine this client owns is dead, restart it now (within the restart budget). Returns whether it was
+        restarted. Raises EngineRetired past the budget."""
+        incarnation = self._incarnation()
         if self.server is None or self.server.alive():
-            return  # transient: retry
-        if self.server.restarts >= self.max_restarts:
-            raise EngineError(f"SGLang server died during {path} ({error}) and was already restarted "
-                              f"{self.server.restarts} times (cap {self.max_restarts})." + self._log_hint())
-        self.server.restart()
+            return False
+        try:
+            self._recover_or_raise("revive", "the server process exited", incarnation)
+        except EngineRestarted:
+            pass
+        return self._incarnation() != incarnation
+
+    def holds(self, version: str | None) -> bool:
+        """Whether the engine serves `version` now (its /model_info weight_version; False when it restarted or is
+        unreachable)."""
+        if self.stale:
+            return False
+        try:
+            return self.weight_version() == version
+        except EngineUnavailable:
+            return False
+
+    def pushed(self, version: str) -> None:
+        """The trainer's weights `version` are in the engine (megarl.reshard.sync): it may generate again."""
+        self.serves, self.stale = version, False
 
     def _log_hint(self) -> str:
         return f"\nSGLang log tail ({self.server.log_path}):\n{self.server.log_tail()}" if self.server else ""
@@ -98,6 +212,9 @@ class EngineClient:
                  return_routed_experts: bool = False, top_logprobs_num: int = 0) -> list[Completion]:
         """One batched /generate; token ids in, token ids and per-token log-probs out. sampling_params: one dict for
         the batch or one per prompt."""
+        if self.stale:  # restarted: no token is sampled from its folder's weights (see the module docstring)
+            raise EngineRestarted(f"the SGLang server at {self.url} restarted and waits for the trainer's weights "
+                                  f"{self.serves!r}")
         payload = {"input_ids": prompts, "sampling_params": sampling_params, "return_logprob": return_logprob}
         adapter = self.adapter  # once: the sync may name the next adapter while this request runs
         if adapter is not None:

@@ -70,8 +70,11 @@ class EngineFleet:
         self.urls = on_rank0(self._policy_urls)
         self._teacher_urls = on_rank0(self._teacher) if self.spec.teacher is not None else []
         self._pool_urls = on_rank0(self.pools.wait_ready) if self.spec.pools else {}
-        self.clients = [EngineClient(server=s) for s in self.servers] if self.servers else \
-            [EngineClient(u) for u in self.urls]
+        e = self.spec.engine
+        self.clients = [EngineClient(server=s, max_restarts=e.max_restarts, restart_window_s=e.restart_window_s,
+                                     timeout_s=e.request_timeout_s)
+                        for s in self.servers] if self.servers else [EngineClient(u, timeout_s=e.request_timeout_s)
+                                                                for u in self.urls]
         return self
 
     def _policy_urls(self) -> list[str]:

@@ -30,7 +30,7 @@ from .. import platform
 from ..compat.sglang import CPU_STANDINS  # noqa: F401 - where the server finds them
 from ..compat.sglang import DELTA_LOADER, cpu_server_env
 from ..errors import UserError
-from ..lifetime import die_with_parent
+from ..lifetime import group_states, guarded
 from ..parallel.env import free_port
 
 if TYPE_CHECKING:
@@ -244,10 +244,10 @@ class SGLangServer:
         with open(self.log_path, "ab") as log:
             self._log_start = log.tell()  # log_tail reads this start's lines only (the file keeps every start)
             log.write(f"\n$ {' '.join(cmd)}\n".encode())
-            # Own process group (stop() ends all of it), and on Linux the server dies with the trainer process
-            # that started it, even after a SIGKILL of the trainer (SGLang's own children follow their parent).
-            self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True, preexec_fn=die_with_parent)
+            # Own process group (stop() ends all of it), under a guard (megarl.lifetime) that ends the group when
+            # the trainer process that started it dies, even by SIGKILL, even during SGLang's start-up.
+            self.process = subprocess.Popen(guarded(cmd), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
         return self
 
     def wait_ready(self) -> "SGLangServer":
@@ -325,6 +325,12 @@ class SGLangServer:
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def stopped(self) -> bool:
+        """Whether a process of the server's group (its guard, launcher, scheduler, detokenizer) is stopped: SIGSTOP,
+        a debugger. Such a server holds its port and accepts connections but never answers."""
+        return self.process is not None and any(state in ("T", "t")
+                                                for state in group_states(self.process.pid).values())
 
     def _port_taken(self) -> bool:
         return _PORT_TAKEN_MARKER in self.log_tail(lines=40).lower()

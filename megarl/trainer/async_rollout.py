@@ -103,13 +103,17 @@ class RolloutProducer:
     the engines' weight version allows (version >= step - 1 - k); `take(step)` hands one to the trainer."""
 
     def __init__(self, collect: Callable[[int], RolloutBatch], next_step: int, last_step: int, max_staleness: int,
-                 version: int, ready: list[RolloutBatch] = ()):
+                 version: int, ready: list[RolloutBatch] = (),
+                 recoverable: Callable[[BaseException], bool] = lambda error: False):
         self._collect, self.k, self._last = collect, max_staleness, last_step
         self._cond = threading.Condition()
         self._ready = {b.step: b for b in ready}
         self._next = max([b.step for b in ready], default=next_step - 1) + 1  # the next step to generate
         self._version = version
         self._error: BaseException | None = None
+        # a recoverable failure (no engine could generate): the producer waits until engines_restored(), then
+        # collects the same step again; take() and wait_generated() raise it meanwhile, so the trainer restores them
+        self._recoverable, self._down = recoverable, None
         self._busy = self._hold = self._stopped = False
         self._busy_s, self._busy_since = 0.0, None
         self._thread = threading.Thread(target=self._run, name="megarl-rollout-producer", daemon=True)
@@ -130,9 +134,15 @@ class RolloutProducer:
                 batch = self._collect(step)
             except BaseException as e:  # handed to the trainer by take()
                 with self._cond:
-                    self._error, self._busy = e, False
+                    self._busy = False
+                    if not self._recoverable(e):
+                        self._error = e
+                        self._cond.notify_all()
+                        return
+                    self._down = e
                     self._cond.notify_all()
-                return
+                    self._cond.wait_for(lambda: self._down is None or self._stopped)
+                continue
             with self._cond:
                 self._ready[step] = batch
                 self._next, self._busy = step + 1, False
@@ -140,9 +150,23 @@ class RolloutProducer:
                 self._cond.notify_all()
 
     def _wait(self, until: Callable[[], bool]) -> None:
-        self._cond.wait_for(lambda: until() or self._error is not None)
+        self._cond.wait_for(lambda: until() or self._error is not None or self._down is not None)
         if self._error is not None:
             raise self._error
+        if not until():
+            raise self._down
+
+    def engines_restored(self) -> None:
+        """The engines generate again (a weight sync): a rollout that failed for want of them is collected again."""
+        with self._cond:
+            self._down = None
+            self._cond.notify_all()
+
+    def put_back(self, batch: RolloutBatch) -> None:
+        """A rollout take() handed out that the trainer could not use (another worker's take failed)."""
+        with self._cond:
+            self._ready[batch.step] = batch
+            self._cond.notify_all()
 
     def take(self, step: int) -> RolloutBatch:
         """Step `step`'s rollout (waits for it)."""

@@ -160,12 +160,20 @@ class EngineConfig:
     # rollout.placement=disaggregated: how many nodes (the job's last ones) run only SGLang servers, each with
     # gpus_per_node / tp_size servers. 0 with colocated (the engines share the trainer's GPUs).
     nodes: int = 0
+    # an engine this job started that dies is restarted, then gets the trainer's weights before it generates again
+    # (megarl.rollout.client); one that dies more than max_restarts times within restart_window_s is retired
+    max_restarts: int = 3
+    restart_window_s: float = 3600.0
+    # a request unanswered this long is sent again; if the engine is then stopped (SIGSTOP) or does not answer
+    # /health within 30 s, it is killed and restarted as a dead one is
+    request_timeout_s: float = 600.0
 
     def __post_init__(self):
         if self.dtype is not None:
             _choice("rollout.engine.dtype", self.dtype, ("bfloat16", "float32"))
         _at_least("rollout.engine", self, ("tp_size", "num_engines"))
-        _at_least("rollout.engine", self, ("nodes",), 0)
+        _at_least("rollout.engine", self, ("nodes", "max_restarts"), 0)
+        _at_least("rollout.engine", self, ("request_timeout_s",), 1)
 
 
 @dataclass
@@ -201,6 +209,9 @@ class RolloutConfig:
     # Rollout routing replay (R3): the trainer's forward passes (old/ref log-probs, training) use the engine's
     # routing instead of their own, through megatron-core's RouterReplay. Implies return_routed_experts.
     routing_replay: bool = False
+    # the run goes on while at least this many policy engines are not retired (an engine past its restart budget,
+    # rollout.engine.max_restarts, is retired)
+    min_engines: int = 1
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -208,7 +219,13 @@ class RolloutConfig:
         _choice("rollout.old_log_probs", self.old_log_probs, ("recompute", "rollout"))
         _choice("rollout.workers", self.workers, ("auto", "dp_leaders", "rank0"))
         _choice("rollout.placement", self.placement, ("colocated", "disaggregated"))
-        _at_least("rollout", self, ("prompts_per_step", "n_samples", "max_new_tokens", "request_size"))
+        _at_least("rollout", self, ("prompts_per_step", "n_samples", "max_new_tokens", "request_size",
+                                    "min_engines"))
+        engines = len(self.engine.urls) or self.engine.num_engines
+        if self.min_engines > engines:
+            raise ConfigError(f"rollout.min_engines={self.min_engines} is more than the {engines} policy engines "
+                              f"(rollout.engine.num_engines / rollout.engine.urls). Fix: rollout.min_engines={engines} "
+                              "or fewer")
         if self.overlong == "penalty" and not 0 < self.overlong_buffer < self.max_new_tokens:
             raise ConfigError(f"rollout.overlong=penalty needs 0 < rollout.overlong_buffer < rollout.max_new_tokens="
                               f"{self.max_new_tokens}, got {self.overlong_buffer}. Fix: e.g. rollout.overlong_buffer="

@@ -24,6 +24,7 @@ from ..evaluation import plot_pass_at_k
 from ..losses import TokenBatch, compute_log_probs
 from ..losses.rl import place_response_values, shift_sequences
 from ..reshard import engine_syncs
+from ..reshard.engines import with_engines
 from ..rollout import EngineRouter
 from ..rollout.fleet import EngineFleet
 from .async_rollout import version_name
@@ -91,7 +92,7 @@ def run_eval(cfg, samples: int | None = None, responses: str | None = None, out:
     model_path = prepare_model_folder(cfg)
     fleet = EngineFleet(fleet_spec(cfg), model_path, rank)
     records = rewards = eval_rewards = rollout = None
-    syncs = []
+    syncs, router = [], None
     try:
         folder = init_parallel(cfg, model_path)
         groups, tok = parallel.groups(), ChatTokenizer.from_pretrained(model_path)
@@ -113,16 +114,25 @@ def run_eval(cfg, samples: int | None = None, responses: str | None = None, out:
         on_rank0(start_rollout)  # a bad data file fails before anything waits for an engine
         fleet.connect()
         if rank == 0:
-            router = EngineRouter(fleet.clients, cfg.rollout.engine.router_policy)
+            router = EngineRouter(fleet.clients, cfg.rollout.engine.router_policy, cfg.rollout.min_engines)
             rollout = build_rollout(rollout_inputs(cfg), tok, router, rewards, pool_routers=fleet.pool_routers(),
                                     eval_rewards=eval_rewards)
         fleet.resume_memory()
         syncs = engine_syncs(fleet.clients, policy.bridge, policy.chunks, cfg.reshard, cfg.rollout.engine,
-                             cfg.run_dir, rank, local=fleet.local, adapter=adapter_sync(cfg))
-        for sync in syncs:  # the engines hold exactly the weights evaluated
-            sync.sync(version_name(step), verify=True)
+                             cfg.run_dir, rank, local=fleet.local, adapter=adapter_sync(cfg),
+                             min_engines=cfg.rollout.min_engines)
+
+        def push(restore: bool = False) -> None:  # the engines hold exactly the weights evaluated
+            syncs.push(step, version_name(step), verify=True, restore=restore)
+            if rank == 0:
+                router.retire(sorted(syncs.retired))
+                router.weights_pushed(version_name(step))
+
+        push()
         result: dict = {"step": step}
-        metrics, curve = on_rank0(lambda: held_out_metrics(rollout, records, cfg.rl, cfg.rollout, "eval", samples))
+        metrics, curve = with_engines(
+            lambda: on_rank0(lambda: held_out_metrics(rollout, records, cfg.rl, cfg.rollout, "eval", samples)),
+            lambda: push(restore=True), (cfg.rollout.engine.max_restarts + 1) * len(syncs) + 1)
         result.update(metrics)
         if responses:
             pairs = on_rank0(lambda: load_responses(responses, tok, cfg.data, prompt_tools(cfg.env)))

@@ -10,6 +10,7 @@ Run it under torchrun: `megarl train CONFIG [key=value ...]`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
@@ -19,10 +20,11 @@ import torch.distributed as dist
 from .. import parallel, platform
 from ..algorithms.advantages import estimator
 from ..config import ConfigError, to_dict
-from ..errors import on_rank0
+from ..errors import on_rank0, on_ranks
 from ..data import ChatTokenizer
 from ..models.moe import RoutingStats
 from ..reshard import engine_syncs
+from ..reshard.engines import with_engines
 from ..rollout.fleet import EngineFleet
 from ..rollout.teacher import check_same_tokenizer
 from . import metrics, step as phases
@@ -38,6 +40,8 @@ from .workers import RolloutWorkers
 from .setup import (build_critic, build_policy, build_reference, init_parallel, moe_config_overrides,
                     prepare_model_folder, prompt_tools, resolve_load)
 
+
+logger = logging.getLogger("megarl")
 
 
 def dumped_samples(run_dir: str, step: int) -> list[dict]:
@@ -98,6 +102,7 @@ class RLTrainer:
         self.ckpt_root = os.path.join(cfg.run_dir, "checkpoints")
         self.step, self.state = 0, {}
         self.skips = SkippedSteps(cfg.rl.max_skipped_steps)  # non-finite updates in a row (megarl.trainer.numerics)
+        self.restores = 0  # times no engine could generate and the restarted ones got the weights back (with_engines)
         self._start_rollout_side()
         self._resume()
         self.log = MetricsLog(cfg.run_dir, to_dict(cfg), cfg.logging.wandb, cfg.logging.project,
@@ -121,7 +126,7 @@ class RLTrainer:
         self.side.connect(self.fleet)
         self.syncs = engine_syncs(self.clients, self.bridge, self.policy.chunks, cfg.reshard, cfg.rollout.engine,
                                   cfg.run_dir, self.rank, local=self.fleet.local,
-                                  adapter=adapter_sync(cfg))
+                                  adapter=adapter_sync(cfg), min_engines=cfg.rollout.min_engines)
 
     def _resume(self) -> None:
         path = latest_checkpoint(self.ckpt_root) if self.cfg.checkpoint.resume and \
@@ -140,7 +145,7 @@ class RLTrainer:
         cfg, algo, pg, timer, start = self.cfg, self.algorithm, self.pg, PhaseTimer(), time.perf_counter()
         with timer("rollout"):  # 1. engines sample, rewards score (the rollout workers; under rl.max_staleness the
             #                        producer thread did it while earlier steps trained)
-            rollout = self.side.take(step)
+            rollout = self.with_engines(lambda: self.side.take(step))
         self.fleet.release_memory()  # colocated GPUs: the engine's memory goes to training (no-op on CPU)
         with timer("dispatch"):  # 2. this DP rank's rows, and only those, as tensors
             rb, received = phases.dispatch_rank_batch(rollout, step, self.groups, self.side.ranks,
@@ -201,36 +206,47 @@ class RLTrainer:
         out = {**trained, **self.side.step_stats(elapsed), **signals, **timer.take()}
         out.update({f"reshard/{k}": v for k, v in synced.items() if isinstance(v, (int, float))})
         out.update({"time/step_s": elapsed, "time/step_start": start - self.started,
-                    "dispatch/bytes_received": received})
+                    "dispatch/bytes_received": received, "engine/restores": self.restores,
+                    "engine/retired": len(self.syncs.retired)})
         return out
 
     # ------------------------------------------------------------------------------------------ engine side
-    def sync_weights(self, version: int, verify: bool | None = None) -> dict:
+    def sync_weights(self, version: int, verify: bool | None = None, restore: bool = False) -> dict:
         """Push the weights after step `version` into the policy engines. With asynchronous rollouts in flight:
         partial rollouts pause the engines (their requests abort and continue under the new weights), verification
-        runs once they generate again; the fixed schedule first waits for the rollout sampled from the old weights."""
+        runs once they generate again; the fixed schedule first waits for the rollout sampled from the old weights.
+        restore: only into the engines that lost them (restarted), before a rollout is generated again."""
         self.fleet.resume_memory()
-        producer = self.side.producer
-        partial = producer is not None and self.cfg.rl.partial_rollouts
-        if producer is not None and not partial:
-            producer.wait_generated(version + self.cfg.rl.max_staleness)
+        producer, k = self.side.producer, self.cfg.rl.max_staleness
+        partial = bool(k) and self.cfg.rl.partial_rollouts  # the same on every rank (the producer is the workers')
+        if k and not partial and not restore:
+            def wait() -> None:  # until the rollout sampled from the old weights is complete
+                on_ranks(lambda: producer.wait_generated(version + k), here=producer is not None)
+
+            self.with_engines(wait, weights=version)  # (the trainer holds the weights after `version` already)
         if partial and self.rank == 0:
             self.side.router.pause_for_update()
-        stats, due = {}, []
         try:
-            for sync in self.syncs:
-                due.append(sync.due(version) if verify is None else verify)
-                stats = sync.sync(version_name(version), verify=False if partial else due[-1])
+            stats, deferred = self.syncs.push(version, version_name(version), verify, defer_verify=partial,
+                                              restore=restore)
+            self.side.engines_synced(version_name(version), self.syncs.retired)  # they generate again
         finally:
             if partial and self.rank == 0:
                 self.side.router.continue_after_update()
-        if partial:
-            for sync, check in zip(self.syncs, due):
-                if check:
-                    stats.update(sync.verify())
-        if producer is not None:
+        for sync in deferred:
+            stats.update(sync.verify())
+        if producer is not None and not restore:
             producer.set_version(version)
         return stats
+
+    def with_engines(self, collective, weights: int | None = None):
+        """collective(), generated again after the restarted engines got the trainer's weights back: those after step
+        `weights` (default: the last step trained) (megarl.reshard.engines.with_engines)."""
+        def restore() -> None:
+            self.restores += 1
+            self.sync_weights(self.step if weights is None else weights, restore=True)
+
+        return with_engines(collective, restore, (self.cfg.rollout.engine.max_restarts + 1) * len(self.clients) + 1)
 
     def evaluate(self, tag) -> dict:
         """Held-out evaluation on rank 0 (pass@k, maj@n, tool use); its pass@k curve is kept for the plot."""
@@ -242,7 +258,8 @@ class RLTrainer:
                 self.state.setdefault("eval_curves", {})[str(tag)] = curve
             return result
 
-        result = on_rank0(run) or {}
+        # (an evaluation between steps runs before self.step moves on: the trainer holds the weights after `tag`)
+        result = self.with_engines(lambda: on_rank0(run), weights=tag if isinstance(tag, int) else None) or {}
         if cfg.rl.forgetting_kl:
             result.update(self._forgetting_kl(tag))
         return result
@@ -324,8 +341,7 @@ class RLTrainer:
 
     def close(self) -> None:
         self.side.close()
-        for sync in self.syncs:
-            sync.close()
+        self.syncs.close()
         if self.log is not None:
             self.log.close()
         self.fleet.stop()

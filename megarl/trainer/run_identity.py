@@ -24,7 +24,8 @@ MAY_CHANGE = (
     "rl.max_skipped_steps",  # when a run that keeps producing NaNs stops (a finite run never reads it)
     "rl.max_tokens_per_microbatch", "sft.max_tokens_per_microbatch", "dpo.max_tokens_per_microbatch",
     "rl.offload_ref", "algorithm.fused_logprobs",  # how a step is computed, not what (tested layout-invariant)
-    "rollout.engine", "rollout.request_size", "rollout.workers", "rollout.placement",  # where the engines run
+    "rollout.engine", "rollout.request_size", "rollout.workers", "rollout.placement", "rollout.min_engines",
+    # (above: where the engines run and how many must be left)
     "reward.workers", "reward.timeout_s", "reshard", "checkpoint", "logging", "model.shape",
 )
 # each phase's folder in run_dir (its checkpoints/ and its record) and the phases each command trains

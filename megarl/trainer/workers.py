@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ..data import load_prompts
-from ..errors import about, on_ranks
+from ..errors import PeerFailed, UserError, about, on_ranks
+from ..rollout.client import engine_unavailable
 from ..rewards import RewardPool
 from ..rewards.judge import reward_judges
 from ..rollout import EngineRouter
@@ -46,6 +47,12 @@ def choose_workers(mode: str, remote_engines: bool, groups, rank: int) -> tuple[
         ranks = [r for r in leaders if hosts[r] == hosts[0]]
     group = dist.new_group(ranks) if len(ranks) > 1 else None  # every rank creates it (torch.distributed)
     return Workers(ranks.index(rank) if rank in ranks else 0, len(ranks), group), ranks
+
+
+def recoverable(error: BaseException) -> bool:
+    """A rollout that failed because no engine could generate (or because another worker's did): the producer
+    collects it again once the trainer has pushed its weights into the restarted engines."""
+    return engine_unavailable(error) or isinstance(error, PeerFailed)
 
 
 def reward_pools(reward: RewardConfig, rank: int) -> tuple[RewardPool, RewardPool | None]:
@@ -105,7 +112,8 @@ class RolloutWorkers:
     def connect(self, fleet) -> None:
         """The workers' router over the policy engines, and the Rollout (with the teacher and the pools)."""
         if self.here:
-            self.router = EngineRouter(fleet.clients, self.inputs.rollout.engine.router_policy)
+            self.router = EngineRouter(fleet.clients, self.inputs.rollout.engine.router_policy,
+                                       self.inputs.rollout.min_engines)
             self.rollout = build_rollout(self.inputs, self.tok, self.router, self.rewards,
                                          pool_routers=fleet.pool_routers(), teacher=fleet.teacher(),
                                          eval_rewards=self.eval_rewards)
@@ -124,13 +132,38 @@ class RolloutWorkers:
         inputs = self.inputs
         if inputs.max_staleness and self.here:
             self.producer = RolloutProducer(self.collect, step + 1, inputs.steps, inputs.max_staleness, step,
-                                            ready=self.queued)
+                                            ready=self.queued, recoverable=recoverable)
 
     def take(self, step: int) -> RolloutBatch | None:
-        """This worker's share of the step's rollout (the producer's, or collected now); None off the workers."""
-        self.batch = on_ranks(lambda: self.producer.take(step) if self.producer else self.collect(step),
-                              here=self.here)
+        """This worker's share of the step's rollout (the producer's, or collected now); None off the workers. When a
+        worker fails (e.g. no engine could generate), every worker keeps its prompt stream (or the producer its
+        rollout) as it was, so the step can be taken again."""
+        taken = []
+
+        def take() -> RolloutBatch:
+            taken.append(self.producer.take(step) if self.producer else self.collect(step))
+            return taken[-1]
+
+        try:
+            self.batch = on_ranks(take, here=self.here)
+        except UserError:
+            if taken and self.producer is not None:
+                self.producer.put_back(taken[0])
+            elif taken:
+                self.stream.load(taken[0].cursor_before)
+            raise
         return self.batch
+
+    def engines_synced(self, version: str, retired) -> None:
+        """After a weight sync (a collective): the workers' routers leave the retired engines out, take the others
+        again (each holds `version` now) and accept tokens sampled by it; a producer that waited for them goes on."""
+        def update() -> None:
+            self.router.retire(sorted(retired))
+            self.router.weights_pushed(version)
+            if self.producer is not None:
+                self.producer.engines_restored()
+
+        on_ranks(update, here=self.here)
 
     def collect(self, step: int) -> RolloutBatch:
         """A rollout worker (the main thread, or the producer thread with rl.max_staleness > 0): its share of the
@@ -139,15 +172,20 @@ class RolloutWorkers:
         every worker). Only the workers' own group is used: the main thread's collectives run meanwhile."""
         inputs, n = self.inputs, self.inputs.rollout.n_samples
         before, started = self.stream.state(), time.perf_counter() - self.started
-        samples, stats = self.rollout.collect(self.stream, step, self.workers)
+        try:
+            samples, stats = self.rollout.collect(self.stream, step, self.workers)
+        except BaseException:  # nothing was consumed: the step is collected again from the same prompts
+            self.stream.load(before)
+            raise
         packed = PackedRollout.from_samples(samples, routing=self.routing_shape is not None, group_size=n,
                                             teacher=inputs.teacher, versions=inputs.max_staleness > 0,
                                             teacher_top_k=inputs.opd_top_k)
         plan = BatchPlan.from_workers(packed, inputs.rollout.prompts_per_step * n, n, self.workers.sum, self.dp_size,
                                       self.tp_size, inputs.max_tokens_per_microbatch, row_multiple=inputs.mini_batches)
         stats.update(rollout_metrics(samples, self.workers, version_name(step - 1) if step > 1 else None))
-        errors = self.workers.sum(torch.tensor([float(self.rewards.take_errors())]))
-        stats["reward/errors"] = int(errors[0])
+        errors = self.workers.sum(torch.tensor([float(self.rewards.take_errors()),
+                                                float(self.rewards.take_worker_failures())]))
+        stats["reward/errors"], stats["reward/worker_failures"] = int(errors[0]), int(errors[1])
         if inputs.max_staleness:
             versions = sample_version_stats(samples)
             (partial, count), oldest = self.workers.sum(versions[:2].clone()).tolist(), -self.workers.max(-versions[2:])

@@ -16,6 +16,7 @@ import pytest
 from megarl.compat import mbridge as mbridge_compat
 from megarl.compat import megatron as megatron_compat
 from megarl.compat import sglang as sglang_compat
+from megarl.compat import torch as torch_compat
 from megarl.testing import run_ranks, tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +40,34 @@ def test_sglang_assumptions():
 
 
 @pytest.mark.unit
+def test_torch_assumptions():
+    assert torch_compat.check_assumptions() == []
+
+
+@pytest.mark.unit
+def test_a_worker_torchrun_restarted_gets_its_own_keys_on_the_agents_store(monkeypatch):
+    """The static rendezvous's store outlives the first attempt's workers, with their keys: a restarted attempt reads
+    and writes under its own prefix (without it, tests/trainer/test_trainer_e2e.py::
+    test_a_killed_rank_is_restarted_by_torchrun_and_resumes_exactly failed: "Gloo connectFullMesh failed ... Connection
+    refused", a restarted rank connecting to the dead one's address)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    # plays torchrun's agent store
+    agent = TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    agent.set("gloo/rank_0_address", "the first attempt's dead worker")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert torch_compat.restarted_workers_store("127.0.0.1", agent.port, 2, timedelta(seconds=30)) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    store = torch_compat.restarted_workers_store("127.0.0.1", agent.port, 2, timedelta(seconds=30))
+    assert not store.check(["gloo/rank_0_address"])  # the first attempt's keys are not seen
+    store.set("gloo/rank_0_address", "the restarted worker")
+    assert agent.get("gloo/rank_0_address") == b"the first attempt's dead worker"  # and not overwritten either
+
+
+@pytest.mark.unit
 def test_versions_are_the_pinned_ones():
     from megarl import platform
 
@@ -46,6 +75,7 @@ def test_versions_are_the_pinned_ones():
     install = (ROOT / "launchers" / "install.sh").read_text()
     assert f"megatron-core=={megatron_compat.VERSION}" in install and f"mbridge=={mbridge_compat.VERSION}" in install
     assert f"sglang=={sglang_compat.VERSION}" in (ROOT / "requirements" / "gpu.txt").read_text()
+    assert f"torch=={torch_compat.VERSION}" in install
 
 
 @pytest.mark.unit

@@ -1,7 +1,8 @@
 """slurm/train.sbatch under a real Slurm cluster on this host (slurm_cluster.LocalSlurmCluster: slurmctld and
 two slurmd "nodes" n1, n2 on 127.0.0.1, one CPU each): a 2-node job trains a tiny RL config with the real SGLang CPU
 engine and completes; SIGUSR1 to the batch script makes the trainer checkpoint and stop, the script requeues the
-job and the second start resumes and completes; bad input (a layout that does not fit the allocation, no Slurm
+job and the second start resumes and completes; a trainer rank killed mid-run fails the step and the script requeues
+the job, which resumes from the latest checkpoint; bad input (a layout that does not fit the allocation, no Slurm
 allocation, an unreachable master) fails fast with a clear message.
 
 When Slurm cannot be installed or started here, the same tests run the script with bash, faked SLURM_* variables and
@@ -204,6 +205,39 @@ def test_preemption_checkpoints_requeues_and_resumes(cluster, tmp_path):
         assert f"=== node {node} " in text
     batch = _batch_log(tmp_path, name, job)
     assert "training finished" in batch and f"run_dir {run_dir}" in batch, batch
+    _no_leftovers(run_dir)
+
+
+@pytest.mark.slurm
+def test_a_killed_trainer_rank_requeues_the_job_which_resumes(cluster, tmp_path):
+    """A trainer rank that dies (SIGKILL, as a lost node or an OOM kill does) fails the srun step; the script requeues
+    the job, which resumes from the latest checkpoint and completes, without a human."""
+    name, steps = "megarl-k", 5
+    config = write_config(tmp_path, "killed", seed=5, rl={"steps": steps}, checkpoint={"save_every": 1})
+    run_dir = str(tmp_path / "killed")
+    job = _submit(cluster, tmp_path, name, [config])
+    latest = os.path.join(run_dir, "checkpoints", "latest")
+    deadline = Deadline(STALL_S, Progress(tmp_path), CEILING_S)
+    while not (os.path.exists(latest) and open(latest).read().strip() >= "step_000002"):
+        state = cluster.job_state(job)
+        assert state in ("PENDING", "CONFIGURING", "RUNNING"), (state, _batch_log(tmp_path, name, job)[-3000:])
+        expired = deadline.expired(state)
+        assert not expired, f"no checkpoint 2 ({expired}):\n" + _batch_log(tmp_path, name, job)[-3000:]
+        time.sleep(0.3)
+    listed = subprocess.run(["pgrep", "-af", f"megarl.cli train {config}"], capture_output=True, text=True).stdout
+    ranks = [int(line.split()[0]) for line in listed.splitlines() if "megarl.launch.torchrun" not in line]
+    assert ranks, listed
+    os.kill(ranks[-1], 9)
+
+    info = _wait(cluster, tmp_path, run_dir, name, job, {"COMPLETED"})
+    assert info["ExitCode"] == "0:0" and info["Restarts"] == "1", info
+    batch = _batch_log(tmp_path, name, job)
+    assert "training failed (srun exit code" in batch and "requeueing job" in batch and "training finished" in batch, \
+        batch[-3000:]
+    second = _node_logs(run_dir, name, job)[0].split("=== node 0 ")[-1]
+    assert "restart 1" in second.splitlines()[0] and "resumed from " in second, second[-3000:]
+    steps_logged = [r["step"] for r in _metric_rows(run_dir)]
+    assert max(steps_logged) == steps and set(range(1, steps + 1)) <= set(steps_logged), steps_logged
     _no_leftovers(run_dir)
 
 

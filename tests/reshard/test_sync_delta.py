@@ -152,6 +152,8 @@ def check_delta_run(results: list) -> None:
     syncs after another writer and in a new process, full."""
     stats = results[0]["stats"]
     assert [s["full_sync"] for s in stats] == [1.0, 0.0, 1.0, 0.0, 1.0, 1.0], [s["full_sync"] for s in stats]
+    # the sync after another writer found the engine not holding this process's last version: restored, verified
+    assert [s["restored"] for s in stats] == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0], [s["restored"] for s in stats]
     for s in stats:  # every sync verified: each engine tensor's checksum equals the trainer's engine-dtype tensor
         assert s["verified_tensors"] > 20 and s["probe_max_abs_diff"] < 0.5
     full_bytes = stats[0]["pushed_bytes"]

@@ -122,6 +122,21 @@ def test_hung_reward_is_killed_and_the_worker_keeps_scoring():
 
 
 @pytest.mark.unit
+def test_a_killed_reward_worker_costs_no_score(tmp_path):
+    """A pool worker SIGKILLed mid-chunk (the OOM killer, an operator) breaks the executor for every chunk in flight:
+    the chunks are scored again on fresh workers, never trained on with reward 0 (the old code scored them 0)."""
+    pool = RewardPool("reward_fns:kills_its_worker_once", workers=2, kwargs={"marker": str(tmp_path / "killed")})
+    try:
+        chunks = [[("ok", None), ("no", None)], [("ok", None)] * 3]
+        futures = [pool.submit(items) for items in chunks]  # both in flight when the worker dies
+        assert [pool.result(f, len(items)) for f, items in zip(futures, chunks)] == [[1.0, 0.0], [1.0] * 3]
+        assert pool.take_errors() == 0 and pool.worker_failures == 1  # one executor replaced, by one thread
+        assert pool.score([("ok", None)]) == [1.0]
+    finally:
+        pool.close()
+
+
+@pytest.mark.unit
 def test_code_block_extraction_is_linear_and_takes_the_last_python_block():
     import time
 

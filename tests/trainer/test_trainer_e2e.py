@@ -1,5 +1,6 @@
 """The trainer end to end: SFT label alignment, and RL under torchrun with the real SGLang engine on CPU — token ids
-trained byte-identical to the engine's, and exact resume after SIGKILL."""
+trained byte-identical to the engine's; a rank SIGKILLed mid-run restarted by torchrun and resumed exactly; an engine
+SIGKILLed mid-run restarted and restored without a sample lost or trained on the wrong weights."""
 import json
 import os
 import random
@@ -73,14 +74,16 @@ def _rl_config(tmp_path, name: str) -> str:
         reshard={"verify_every": 2}, checkpoint={"save_every": 1, "keep": 10})
 
 
-def _torchrun(config: str, port: int, log: str, url: str | None = None) -> subprocess.Popen:
-    """`megarl train config` on 2 ranks; with `url`, on that engine (rollout.engine.urls), else on its own."""
+def _torchrun(config: str, port: int, log: str, url: str | None = None, max_restarts: int = 0) -> subprocess.Popen:
+    """`megarl train config` on 2 ranks; with `url`, on that engine (rollout.engine.urls), else on its own; torchrun
+    starts the workers again after a failure, `max_restarts` times."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), env_path()]),
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     engine = [f"rollout.engine.urls=[{url}]"] if url else []
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             str(port), "-m", "megarl.cli", "train", config, *engine], cwd=ROOT, env=env,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+                             str(port), "--max-restarts", str(max_restarts), "-m", "megarl.cli", "train", config,
+                             *engine], cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def env_path() -> str:
@@ -113,9 +116,10 @@ def _tiny_model(_=None) -> str:
     return tiny_model_dir(TINY["family"], tokenizer=TINY["tokenizer"], **TINY["overrides"])
 
 
-# The engine this config's run would start itself, launched ahead (a start costs ~25 s): the uninterrupted run and
-# the resumed one use it (each first pushes its own weights into it, verified); the killed run starts its own, whose
-# death with the run test_resume_after_sigkill_reproduces_the_metrics checks.
+# The engine this config's run would start itself, launched ahead (a start costs ~25 s): the uninterrupted run uses
+# it (it first pushes its own weights into it, verified); the run with a killed rank starts its own, whose death with
+# the killed workers test_a_killed_rank_is_restarted_by_torchrun_and_resumes_exactly checks, and the run whose engine
+# is killed starts its own too.
 run_engine = early_run_engine(lambda folder, _: _rl_config(folder, "engine"), _tiny_model)
 
 
@@ -188,11 +192,14 @@ def test_synchronous_run_equals_the_code_before_async_rl(uninterrupted):
 
 
 @pytest.mark.e2e
-def test_resume_after_sigkill_reproduces_the_metrics(uninterrupted, run_engine, tmp_path):
+def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_exactly(uninterrupted, tmp_path):
+    """A trainer rank SIGKILLed somewhere inside step 3 (or its checkpoint): torchrun (--max-restarts 1) starts the
+    workers again, they resume from the latest checkpoint by themselves, and the run's per-step metrics equal the
+    uninterrupted run's. The engine the first workers started died with them (PR_SET_PDEATHSIG): no orphan."""
     config = _rl_config(tmp_path, "killed")
     run_dir = tmp_path / "killed"
     log = str(tmp_path / "killed.log")
-    proc = _torchrun(config, 29741, log)
+    proc = _torchrun(config, 29741, log, max_restarts=1)  # its own engine: its death with the workers is checked
     latest = run_dir / "checkpoints" / "latest"
     deadline = time.monotonic() + 600
     while not (latest.exists() and latest.read_text().strip() >= "step_000002"):
@@ -200,9 +207,14 @@ def test_resume_after_sigkill_reproduces_the_metrics(uninterrupted, run_engine, 
         assert time.monotonic() < deadline, "no checkpoint within 600 s:\n" + open(log).read()[-3000:]
         time.sleep(0.2)
     time.sleep(random.Random().uniform(0.0, 1.5))  # somewhere inside step 3 (or its checkpoint)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    _wait(_torchrun(config, 29742, log + ".resumed", run_engine.url), log + ".resumed")
+    listed = subprocess.run(["pgrep", "-af", f"megarl.cli train {config}"], capture_output=True, text=True).stdout
+    workers = [int(line.split()[0]) for line in listed.splitlines() if "torch.distributed.run" not in line]
+    assert len(workers) == 2, listed
+    first_engine = subprocess.run(["pgrep", "-f", str(run_dir / "base-model")], capture_output=True,
+                                  text=True).stdout.split()
+    os.kill(random.Random().choice(workers), signal.SIGKILL)
+    _wait(proc, log)
+    assert "resumed from" in open(log).read()
     resumed, reference = _metrics(run_dir), _metrics(uninterrupted)
     assert sorted(resumed) == sorted(reference)
     for step in reference:
@@ -210,9 +222,45 @@ def test_resume_after_sigkill_reproduces_the_metrics(uninterrupted, run_engine, 
         assert a.keys() == b.keys(), step
         for key in a:
             assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (step, key, a[key], b[key])
-    # the engine started by the killed run died with it (PR_SET_PDEATHSIG), no orphan keeps a core busy
+    # the engine started by the killed workers died with them, no orphan keeps a core busy
     out = subprocess.run(["pgrep", "-f", str(run_dir / "base-model")], capture_output=True, text=True).stdout
-    assert not out.strip(), f"orphan processes: {out}"
+    assert first_engine and not out.strip(), f"orphan processes: {out}"
+
+
+@pytest.mark.e2e
+def test_an_engine_killed_mid_run_changes_nothing_that_is_trained(uninterrupted, tmp_path):
+    """The run's SGLang server is SIGKILLed after step 1 (in step 2's rollout, or wherever the run is by then): it is
+    restarted and gets the trainer's weights, verified, before it generates again. Every sample is generated by the
+    weights recorded for it (today's code sampled the steps after a restart from the base model's weights, tagged as
+    current), none is lost, and as the engine samples with per-request seeds, the run's metrics equal the
+    uninterrupted run's."""
+    config = _rl_config(tmp_path, "engine-killed")
+    run_dir = tmp_path / "engine-killed"
+    log = str(tmp_path / "engine-killed.log")
+    proc = _torchrun(config, 29751, log)  # its own engine: the test kills it
+    deadline = time.monotonic() + 600
+    while not ((run_dir / "metrics.jsonl").exists() and '"step": 1' in (run_dir / "metrics.jsonl").read_text()):
+        assert proc.poll() is None, "the run ended before its engine could be killed:\n" + open(log).read()[-3000:]
+        assert time.monotonic() < deadline, "no step within 600 s:\n" + open(log).read()[-3000:]
+        time.sleep(0.1)
+    engine = subprocess.run(["pgrep", "-f", "sglang.launch_server"], capture_output=True, text=True).stdout.split()
+    mine = {os.getpgid(int(pid)) for pid in engine
+            if str(run_dir) in open(f"/proc/{pid}/cmdline").read().replace("\0", " ")}
+    assert len(mine) == 1, (engine, mine)  # the launcher and its guard (megarl.lifetime), one process group
+    os.killpg(mine.pop(), signal.SIGKILL)  # the engine's whole process group
+    _wait(proc, log)
+    text = open(log).read()
+    assert "died during" in text and "restarting it (it then waits for the trainer's weights)" in text, text[-3000:]
+    killed, reference = _metrics(run_dir), _metrics(uninterrupted)
+    assert sorted(killed) == sorted(reference) and killed[4]["engine/retired"] == 0
+    for step in reference:
+        a, b = _deterministic(reference[step]), _deterministic(killed[step])
+        for key in a.keys() - {"engine/restores"}:
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (step, key, a[key], b[key])
+    for step in range(1, 5):
+        samples = dumped_samples(run_dir, step)
+        assert len(samples) == 16  # prompts_per_step x n_samples: none lost
+        assert all(set(s["token_versions"]) == {step - 1} for s in samples), step  # the weights after step - 1
 
 
 @pytest.mark.e2e
