@@ -399,13 +399,24 @@ def _gen_delta_sync(d):
     return "\n".join(lines + [f"\nMachine: {_machine(d)}."])
 
 
+def _gen_chaos(d):
+    lines = ["| fault | at step | phase it hit | survived | samples lost | samples off policy | extra wall time | "
+             "metrics equal to the fault-free run |", "|---|---|---|---|---|---|---|---|"]
+    for f in d["faults"]:
+        equal = "yes" if f["metrics_equal"] else f"no: {f['expected_to_differ'] or 'NOT expected'}"
+        lines.append(f"| {f['fault'].replace('_', ' ')} | {f['step']} | {f['phase']} | "
+                     f"{'yes' if f['survived'] else '**no**'} | {f['samples_lost']} | {f['samples_off_policy']} | "
+                     f"{f['recovery_s']:+.0f} s | {equal} |")
+    return "\n".join(lines + [f"\nNot injected yet: {'; '.join(d['not_run'])}. Machine: {_machine(d)}."])
+
+
 GENERATORS = {"quickstart": _gen_quickstart, "real-model-probe": _gen_real_model_probe,
               "real-model-runs": _gen_real_model_runs, "genrm": _gen_genrm, "genrm-opd": _gen_genrm_opd,
               "async-rl": _gen_async_rl, "foundation": _gen_foundation, "logprob-entropy": _gen_logprob,
               "orchestration": _gen_orchestration, "orchestration-rank0": _gen_orchestration_rank0,
               "reshard": _gen_reshard, "packing": _gen_packing, "sandbox": _gen_sandbox,
               "coding-agent": _gen_coding_agent, "smollm2-humaneval": _gen_humaneval,
-              "delta-sync": _gen_delta_sync}
+              "delta-sync": _gen_delta_sync, "chaos": _gen_chaos}
 
 
 def render(name: str, file: str) -> str:

@@ -104,7 +104,13 @@ class EngineClient:
     # ------------------------------------------------------------------------------------------------ transport
     def call(self, path: str, payload: dict | None = None, method: str = "POST", timeout_s: float | None = None):
         last_error, unreachable = None, False
-        incarnation = self._incarnation()
+        with self._restart_lock:  # a restart in progress (another thread found the engine dead) is waited for
+            incarnation = self._incarnation()
+            if self.retired:
+                raise EngineRetired(self._retired_line(path))
+            if self.stale and path == "/generate":  # restarted: no token is sampled from its folder's weights
+                raise EngineRestarted(f"the SGLang server at {self.url} restarted and waits for the trainer's "
+                                      f"weights {self.serves!r}")
         for attempt in range(self.retries + 1):
             try:
                 response = self.session.request(method, self.url + path, json=payload,
@@ -212,9 +218,6 @@ class EngineClient:
                  return_routed_experts: bool = False, top_logprobs_num: int = 0) -> list[Completion]:
         """One batched /generate; token ids in, token ids and per-token log-probs out. sampling_params: one dict for
         the batch or one per prompt."""
-        if self.stale:  # restarted: no token is sampled from its folder's weights (see the module docstring)
-            raise EngineRestarted(f"the SGLang server at {self.url} restarted and waits for the trainer's weights "
-                                  f"{self.serves!r}")
         payload = {"input_ids": prompts, "sampling_params": sampling_params, "return_logprob": return_logprob}
         adapter = self.adapter  # once: the sync may name the next adapter while this request runs
         if adapter is not None:
