@@ -1,7 +1,7 @@
 """Faults injected into a real CPU RL run (issue 33): does the run survive, lose no sample, train no sample on weights
 other than the ones recorded for it, and end where the fault-free run ends?
 
-    .venv/bin/python benchmarks/chaos.py                 # the fault-free run, then one run per fault (~15 min, 2 cores)
+    .venv/bin/python benchmarks/chaos.py                 # the fault-free runs, then one run per fault (~25 min, 2 cores)
     .venv/bin/python benchmarks/chaos.py --faults engine_sigkill,engine_sigstop
     .venv/bin/python benchmarks/chaos.py --table         # runs nothing: the table from the JSON
 
@@ -13,10 +13,13 @@ in the response (dense, so that the updates are not zero), with a hang or a NaN 
 (benchmarks/chaos_rewards.py).
 
 Each fault is injected once, at a random moment of its step (the faults take steps 2 .. 5 in turn; the moment: after
-step - 1 logged its metrics, a uniform delay within one fault-free step): the phase it hit is read from the run's log where the run says
-(the engine request that found the engine dead or stopped), else "random point of the step".
+step - 1 logged its metrics, a uniform delay within one fault-free step). The phase it hit is read from the run's log
+where the run says (the engine request that found the engine dead or stopped), else "random point of the step".
 
   engine_sigkill       SIGKILL of the engine's process group
+  engine_sigkill_push  the same, aimed at the weight push after step `step`: the benchmark polls the engine's
+                       /model_info and kills it as soon as the first bucket of that push set its weight version
+                       (reshard.bucket_mb=1 makes the push several buckets; the phase column says where it landed)
   engine_sigstop       SIGSTOP of the engine's process group, longer than rollout.engine.request_timeout_s (20 s here)
   trainer_rank_sigkill SIGKILL of one trainer rank (torchrun --max-restarts 1 starts both again; they resume)
   reward_worker_sigkill SIGKILL of one reward pool worker
@@ -31,14 +34,11 @@ step - 1 logged its metrics, a uniform delay within one fault-free step): the ph
 Per fault: {"fault", "step", "phase", "survived", "samples_lost", "samples_off_policy", "recovery_s",
 "metrics_equal", "differing"}: samples_lost = samples the run's steps should have trained and did not (from the dumped
 training batches), samples_off_policy = trained samples with a token whose recorded weight version is not the step's
-(the weights after step - 1), recovery_s = the faulted run's wall time minus the fault-free run's (both on this machine,
+(the weights after step - 1; under rl.max_staleness=1 also step - 2), recovery_s = the faulted run's wall time minus the fault-free run's (both on this machine,
 one after the other; a loaded machine makes it noisy), metrics_equal = every step's deterministic metrics equal the
 fault-free run's (relative 1e-6), differing = the keys of the last step that do not. Target (issue 33): every fault
 survived, 0 samples lost, 0 off policy, and for the faults that restart nothing in the trainer, the final metrics equal
-the fault-free run's.
-
-Not injected as its own case (the JSON's "not_run"): an engine SIGKILL aimed at a weight push; a random moment lands in
-one only by chance (the phase column says where each kill landed).
+the fault-free run's (engine_sigkill_partial is compared with a fault-free asynchronous run).
 
 benchmarks/results/chaos.json: {"machine", "config", "fault_free": {"wall_s", "final"}, "faults": [...], "not_run"}.
 """
@@ -64,7 +64,7 @@ from machine import machine  # noqa: E402
 OUT = os.path.join(HERE, "results", "chaos.json")
 WORK = os.path.join(ROOT, "runs", "bench-chaos")
 STEPS, PROMPTS, SAMPLES = 6, 8, 4
-FAULTS = ("engine_sigkill", "engine_sigstop", "trainer_rank_sigkill", "reward_worker_sigkill", "reward_hang",
+FAULTS = ("engine_sigkill", "engine_sigkill_push", "engine_sigstop", "trainer_rank_sigkill", "reward_worker_sigkill", "reward_hang",
           "reward_nan", "engine_sigkill_partial", "checkpoint_enospc")
 # the asynchronous run's settings (engine_sigkill_partial, against a fault-free run of its own)
 PARTIAL = {"max_staleness": 1, "partial_rollouts": True}
@@ -74,8 +74,7 @@ EXPECTED_TO_DIFFER = {"reward_hang": "the hung response scores 0 (reward.timeout
                       "reward_nan": "the NaN step's update is skipped (rl.max_skipped_steps), by design",
                       "engine_sigkill_partial": "partial rollouts: a weight update cuts the responses in flight "
                                                 "wherever they are, so what is trained depends on timing"}
-NOT_RUN = ["an engine SIGKILL aimed at a weight push (a random moment landed in one only by chance: see the phase "
-           "column)"]
+NOT_RUN: list[str] = []
 # what a fault is expected to change besides the trained values: timings, and the fault's own counters
 VOLATILE = ("time/", "perf/", "reshard/sync_s", "reshard/verify_s", "engine/restores", "reshard/restored",
             "reward/errors", "reward/worker_failures", "skipped_updates")
@@ -97,7 +96,7 @@ def config(run_dir: str, arms: str, partial: bool = False) -> dict:
                    "kwargs": {"arms": arms}},
         "optim": {"lr": 3e-4, "clip_grad": 1.0},
         "rl": rl,
-        "reshard": {"verify_every": 1},
+        "reshard": {"verify_every": 1, "bucket_mb": 1},  # several buckets per push (engine_sigkill_push)
         "checkpoint": {"save_every": 1, "keep": 10, "export_hf": False},
         "logging": {"wandb": "disabled"},
     }
@@ -138,7 +137,7 @@ def inject(fault: str, run: subprocess.Popen, run_dir: str, arms: str) -> str:
         groups = {procs[p][1] for p in tree if "sglang.launch_server" in procs[p][2]}
         assert len(groups) == 1, groups
         group = groups.pop()
-        os.killpg(group, signal.SIGKILL if fault == "engine_sigkill" else signal.SIGSTOP)
+        os.killpg(group, signal.SIGSTOP if fault == "engine_sigstop" else signal.SIGKILL)
         return f"engine process group {group}"
     if fault == "trainer_rank_sigkill":
         ranks = [p for p in tree if procs[p][0] == run.pid and "megarl.cli" in procs[p][2]]  # torchrun's workers
@@ -164,6 +163,24 @@ PHASES = {"/generate": "rollout", "/model_info": "weight sync (version check)", 
           "/update_weights_from_tensor": "weight push", "/update_weights_from_distributed": "weight push",
           "/init_weights_update_group": "weight push", "/pause_generation": "weight push (pause)",
           "/continue_generation": "weight push (resume)", "/flush_cache": "weight push"}
+
+
+def wait_for_push(run: subprocess.Popen, step: int) -> None:
+    """Return as soon as the engine serves version step-`step`: its push has started (each bucket sets the version),
+    the rest of its buckets, the end of its window and its verification still to come."""
+    import requests
+
+    procs = _procs()
+    command = next(procs[p][2].split() for p in _descendants(run.pid, procs) if "sglang.launch_server" in procs[p][2])
+    url = f"http://127.0.0.1:{command[command.index('--port') + 1]}/model_info"
+    session = requests.Session()
+    while run.poll() is None:
+        try:
+            if session.get(url, timeout=5).json().get("weight_version") == f"step-{step}":
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.002)
 
 
 def phase_from_log(log: str, fault: str) -> str:
@@ -240,7 +257,10 @@ def _one_run(name, fault, step, step_s, port, partial, run_dir, arms, mount) -> 
             if run.poll() is not None:
                 raise RuntimeError(f"the run ended before step {step}:\n" + open(log).read()[-3000:])
             time.sleep(0.1)
-        time.sleep(random.uniform(0.0, step_s))
+        if fault == "engine_sigkill_push":
+            wait_for_push(run, step)
+        else:
+            time.sleep(random.uniform(0.0, step_s))
         out["hit"] = inject(fault, run, run_dir, arms)
     code = wait(run)
     if mount is not None:  # the disk filled up: one line, the previous checkpoint intact; then more space, resume

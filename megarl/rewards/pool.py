@@ -127,16 +127,18 @@ class RewardPool:
         return future
 
     def result(self, future: Future, n: int) -> list[float]:
+        """The scores of a chunk `submit` returned, or of a Future in its form from elsewhere (the judge's weighted or
+        precomputed scores: those are not scored again)."""
         for round_ in range(self.rounds + 1):
-            pool, items = future.megarl_chunk
+            pool, items = getattr(future, "megarl_chunk", (None, None))
             # each response has its own killable timeout in the worker; this wait is only the backstop behind it
             try:
                 scored = future.result(timeout=(self.timeout_s + 5) * max(n, 1) + 30)
                 break
             except (FutureTimeout, BrokenProcessPool) as e:
                 reason = f"reward {self.name}: a worker died or stopped answering ({type(e).__name__})"
-                self._replace_workers(pool)
-                if round_ == self.rounds:
+                self._replace_workers(pool if pool is not None else self.pool)
+                if round_ == self.rounds or items is None:
                     logger.warning("%s; %d responses score 0 after %d rounds", reason, n, self.rounds + 1)
                     self.errors += [reason] * n
                     return [0.0] * n
