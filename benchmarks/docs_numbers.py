@@ -407,7 +407,7 @@ def _gen_chaos(d):
         lines.append(f"| {f['fault'].replace('_', ' ')} | {f['step']} | {f['phase']} | "
                      f"{'yes' if f['survived'] else '**no**'} | {f['samples_lost']} | {f['samples_off_policy']} | "
                      f"{f['recovery_s']:+.0f} s | {equal} |")
-    return "\n".join(lines + [f"\nNot injected yet: {'; '.join(d['not_run'])}. Machine: {_machine(d)}."])
+    return "\n".join(lines + [f"\nNot in this table: {'; '.join(d['not_run'])}. Machine: {_machine(d)}."])
 
 
 GENERATORS = {"quickstart": _gen_quickstart, "real-model-probe": _gen_real_model_probe,
