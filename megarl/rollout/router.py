@@ -15,7 +15,7 @@ recomputes the prefix once and keeps every token's version exact.
 Engine failures: a request whose engine is unavailable (dead, restarting, waiting for the trainer's weights: the
 client's EngineUnavailable) or that comes back sampled by weights this run never pushed (its weight_version is not in
 `versions`, e.g. a remote engine restarted by its own supervisor) is sent again to a live engine, and that engine is
-left out until the trainer has pushed its weights into it again (`reinstate()`, after a weight sync). With no live
+left out until the trainer has pushed its weights into it again (`weights_pushed()`, after a weight sync). With no live
 engine left the call raises EnginesDown: the trainer then pushes its weights into the restarted engines and generates
 the step again (megarl.trainer). A retired engine (past its restart budget) never comes back; fewer than `min_engines`
 left is the end of the run, with one line.
@@ -58,7 +58,7 @@ class EngineRouter:
         # the weight versions this run pushed into the engines (empty: the engines serve their own weights and any
         # version is theirs); a completion sampled by another version is generated again elsewhere
         self.versions: set[str] = set()
-        self.down: dict[int, str] = {}  # engine index -> why it is left out until reinstate()
+        self.down: dict[int, str] = {}  # engine index -> why it is left out until weights_pushed()
         self.retired: set[int] = set()
         self.in_flight = [0] * len(clients)  # prompts currently being generated per engine
         self._next = 0
